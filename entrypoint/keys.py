@@ -1,0 +1,48 @@
+"""`qwen38 key init`: create an API key file once, never print the key.
+
+The file is what API_KEY_FILE points at (and what compose mounts as a Docker secret):
+one random word, mode 0600, written atomically; an existing key is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+from pathlib import Path
+
+from entrypoint.errors import SettingsError
+from prepare.atomic import atomic_file
+
+DEFAULT_KEY_FILE = Path("secrets/api_key")
+
+
+def init_key_file(path: Path) -> bool:
+    """Create ``path`` with a fresh key unless it exists; True when a key was created."""
+    if path.exists():
+        if not path.is_file():
+            raise SettingsError(f"{path}: exists and is not a file")
+        return False
+    old_umask = os.umask(0o077)
+    try:
+        with atomic_file(path, "w") as handle:
+            handle.write(secrets.token_hex(24) + "\n")
+    finally:
+        os.umask(old_umask)
+    path.chmod(0o600)
+    return True
+
+
+def _cmd_key(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    created = init_key_file(path)
+    print(f"{'created' if created else 'kept'} API key file {path.absolute()} (set API_KEY_FILE={path})")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("key", help="create the API key file (never printed)")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    init = actions.add_parser("init", help="create a random key file unless one exists")
+    init.add_argument("--file", default=str(DEFAULT_KEY_FILE), help=f"key file (default {DEFAULT_KEY_FILE})")
+    init.set_defaults(func=_cmd_key)

@@ -1,0 +1,367 @@
+"""The KV-cache arithmetic of one engine configuration, done by vLLM 0.28.0 itself.
+
+Runs in a child process (``python -m entrypoint.kv_capacity`` with JSON requests on
+stdin, the JSON results on stdout) whose PYTHONPATH puts a stock or a patched view of
+the vLLM tree first, so the same request is answered by either version of
+``vllm/v1/core/kv_cache_utils.py``.
+
+What is ours is only how the per-layer KV-cache specs are built from config.json
+files, the way the model runner would build them on the GPU: one FullAttentionSpec
+per target attention layer, one MambaSpec per GDN layer (shapes and dtypes from the
+model class), one SlidingWindowSpec or FullAttentionSpec per drafter layer, each
+shaped by the attention backend the GPU would select (its block-size preference,
+kernel block sizes, page customisation). Block-size alignment, grouping, page
+unification, the pool division, the capacity and the admission check are vLLM's
+functions (`Platform.update_block_size_for_backend`, `get_kv_cache_configs`,
+`get_kv_cache_groups`, `get_kv_cache_config_from_groups`, `get_kv_cache_capacity`).
+
+Planning a CUDA configuration on a machine without a GPU needs two switches, both
+limited to this process: the V2 model runner's "requires Triton" check is told
+Triton exists, and the CPU platform's config hook (which would force CPU block sizes
+and state dtypes) is skipped, so the engine config is the one a CUDA build resolves.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from typing import Any
+
+# vLLM 0.28.0 platforms/cuda.py `_get_backend_priorities` (non-MLA, not SM100):
+# the first backend whose validate_configuration accepts the layer is used.
+CUDA_BACKEND_PRIORITY = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+
+
+def plan_request(request: dict[str, Any]) -> dict[str, Any]:
+    """Answer one planning request (see `entrypoint.plan` for its fields)."""
+    _emulate_cuda(request["platform"] == "cuda")
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    engine = request["engine"]
+    kwargs: dict[str, Any] = dict(
+        model=request["target_dir"],
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=engine["max_model_len"],
+        max_num_seqs=engine["max_num_seqs"],
+        max_num_batched_tokens=engine["max_num_batched_tokens"],
+        kv_cache_memory_bytes=engine["kv_cache_memory_bytes"],
+        enable_prefix_caching=engine["enable_prefix_caching"],
+        kv_cache_dtype=engine["kv_cache_dtype"],
+        mamba_ssm_cache_dtype=engine["mamba_ssm_cache_dtype"],
+        dtype=engine["dtype"],
+    )
+    if engine.get("block_size"):
+        kwargs["block_size"] = engine["block_size"]
+    if request.get("speculative"):
+        kwargs["speculative_config"] = request["speculative"]
+    config = EngineArgs(**kwargs).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+
+    backend, backend_name = _select_backend(request, config)
+    drafter_backend, drafter_backend_name = _select_backend(request, config, drafter=True)
+    _align_block_size(config, backend, request["platform"] == "cuda")
+    specs = _layer_specs(config, backend, drafter_backend)
+    result = _capacity(config, specs)
+    result["backend"] = backend_name
+    result["drafter_backend"] = drafter_backend_name if config.speculative_config else None
+    result["async_scheduling"] = bool(config.scheduler_config.async_scheduling)
+    result["max_num_batched_tokens"] = config.scheduler_config.max_num_batched_tokens
+    result["mamba_cache_mode"] = config.cache_config.mamba_cache_mode
+    return result
+
+
+_ORIGINAL_PLATFORM_HOOK: dict[str, Any] = {}
+
+
+def _emulate_cuda(on: bool) -> None:
+    """Switch this process between planning for CUDA and planning for what it runs on."""
+    import vllm.config.vllm as vllm_config_module
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    platform = type(current_platform)
+    if not _ORIGINAL_PLATFORM_HOOK:
+        _ORIGINAL_PLATFORM_HOOK["hook"] = platform.__dict__.get("check_and_update_config")
+    if on:
+        vllm_config_module.HAS_TRITON = True
+        platform.check_and_update_config = classmethod(lambda cls, config: None)
+    else:
+        vllm_config_module.HAS_TRITON = HAS_TRITON
+        original = _ORIGINAL_PLATFORM_HOOK["hook"]
+        if original is not None:
+            platform.check_and_update_config = original
+        elif "check_and_update_config" in platform.__dict__:
+            del platform.check_and_update_config
+
+
+def _select_backend(request: dict[str, Any], config, *, drafter: bool = False):
+    """The attention backend class the platform would pick for the target's (or the
+    drafter's) attention layers."""
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    if request["platform"] != "cuda":
+        return AttentionBackendEnum.CPU_ATTN.get_class(), "CPU_ATTN"
+    forced = request.get("attention_backend")
+    if forced:
+        return AttentionBackendEnum[forced].get_class(), forced
+    if drafter and config.speculative_config is not None:
+        hf = config.speculative_config.draft_model_config.hf_config
+        head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        sliding = bool(getattr(hf, "sliding_window", None))
+        non_causal = getattr(hf, "is_causal", True) is False
+    else:
+        head_size = config.model_config.get_head_size()
+        sliding, non_causal = False, False
+    selector = AttentionSelectorConfig(
+        head_size=head_size,
+        dtype=config.model_config.dtype,
+        kv_cache_dtype=config.cache_config.cache_dtype,
+        block_size=None,
+        has_sliding_window=sliding,
+        use_non_causal=non_causal,
+    )
+    capability = DeviceCapability(*request["device_capability"])
+    reasons = {}
+    for name in CUDA_BACKEND_PRIORITY:
+        try:
+            backend = AttentionBackendEnum[name].get_class()
+            invalid = backend.validate_configuration(device_capability=capability, **selector._asdict())
+        except ImportError as exc:
+            reasons[name] = f"not importable here ({exc.name})"
+            continue
+        if not invalid:
+            return backend, name
+        reasons[name] = "; ".join(invalid)
+    raise ValueError(f"no attention backend accepts this layer: {reasons}")
+
+
+def _align_block_size(config, backend, emulate_cuda: bool) -> None:
+    """Run the platform's own `update_block_size_for_backend` (block size from the
+    backend, hybrid attention/mamba page alignment) as the worker does once the model
+    is built, with ``backend`` as the layers' backend. Planning for CUDA uses the base
+    `Platform` implementation, which the CUDA platform does not override."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import Platform
+
+    platform = type(current_platform)
+    saved = platform.__dict__.get("_find_non_ssm_backend")
+    platform._find_non_ssm_backend = classmethod(lambda cls, vllm_config: backend)
+    try:
+        if emulate_cuda:
+            Platform.update_block_size_for_backend.__func__(platform, config)
+        else:
+            platform.update_block_size_for_backend(config)
+    finally:
+        if saved is not None:
+            platform._find_non_ssm_backend = saved
+        else:
+            del platform._find_non_ssm_backend
+
+
+def _layer_specs(config, backend, drafter_backend) -> dict[str, Any]:
+    """One KV-cache spec per layer, as the model runner builds them."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.attention import _largest_kernel_block_within
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+        get_kv_quant_mode,
+    )
+
+    model = config.model_config
+    cache = config.cache_config
+    spec_config = config.speculative_config
+    kv_dtype = model.dtype if cache.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
+    quant_mode = get_kv_quant_mode(cache.cache_dtype)
+    num_spec = spec_config.num_speculative_tokens if spec_config else 0
+    text = model.hf_text_config
+    layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    specs: dict[str, Any] = {}
+
+    def attention(layer_backend, num_kv_heads, head_size, sliding_window=None):
+        stride = layer_backend.indexes_kv_by_block_stride()
+        if sliding_window is None:
+            spec = FullAttentionSpec(
+                block_size=cache.block_size,
+                num_kv_heads=num_kv_heads,
+                head_size=head_size,
+                head_size_v=head_size,
+                dtype=kv_dtype,
+                kv_quant_mode=quant_mode,
+            )
+        else:
+            # Attention.get_kv_cache_spec: a sliding-window layer starts at the
+            # smallest kernel block that fits (no shared page: the smallest).
+            per_token = layer_backend.customize_spec(
+                SlidingWindowSpec(
+                    block_size=1,
+                    num_kv_heads=num_kv_heads,
+                    head_size=head_size,
+                    head_size_v=head_size,
+                    dtype=kv_dtype,
+                    kv_quant_mode=quant_mode,
+                    sliding_window=sliding_window,
+                )
+            ).real_page_size_bytes
+            spec = SlidingWindowSpec(
+                block_size=_largest_kernel_block_within(
+                    layer_backend, per_token, cache.skip_page_size_padded, cache.block_size
+                ),
+                num_kv_heads=num_kv_heads,
+                head_size=head_size,
+                head_size_v=head_size,
+                dtype=kv_dtype,
+                kv_quant_mode=quant_mode,
+                sliding_window=sliding_window,
+                page_size_padded=cache.skip_page_size_padded,
+            )
+        return layer_backend.customize_spec(replace(spec, indexes_kv_by_block_stride=stride))
+
+    with set_current_vllm_config(config):
+        model_cls = None
+        if "linear_attention" in layer_types:
+            model_cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
+        head_size = model.get_head_size()
+        num_kv_heads = model.get_num_kv_heads(config.parallel_config)
+        for index, kind in enumerate(layer_types):
+            if kind == "linear_attention":
+                specs[f"model.layers.{index}.linear_attn"] = MambaSpec(
+                    shapes=tuple(model_cls.get_mamba_state_shape_from_config(config)),
+                    dtypes=model_cls.get_mamba_state_dtype_from_config(config),
+                    block_size=cache.mamba_block_size,
+                    page_size_padded=cache.mamba_page_size_padded,
+                    mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                    mamba_cache_mode=cache.mamba_cache_mode,
+                    num_speculative_blocks=num_spec,
+                )
+            else:
+                specs[f"model.layers.{index}.self_attn.attn"] = attention(backend, num_kv_heads, head_size)
+        if spec_config is None:
+            return specs
+        first = len(layer_types)
+        if spec_config.method == "mtp":
+            for index in range(getattr(text, "mtp_num_hidden_layers", 1)):
+                specs[f"mtp.layers.{first + index}.self_attn.attn"] = attention(
+                    backend, num_kv_heads, head_size
+                )
+        elif spec_config.method == "dflash":
+            hf = spec_config.draft_model_config.hf_config
+            draft_types = list(getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
+            draft_head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+            for index, kind in enumerate(draft_types):
+                window = hf.sliding_window if kind == "sliding_attention" else None
+                specs[f"model.layers.{first + index}.self_attn.attn"] = attention(
+                    drafter_backend, hf.num_key_value_heads, draft_head, window
+                )
+        elif spec_config.method not in ("ngram", "ngram_gpu", "suffix"):
+            raise ValueError(f"the planner does not model speculative method {spec_config.method!r}")
+    return specs
+
+
+def _capacity(config, specs: dict[str, Any]) -> dict[str, Any]:
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    pool = config.cache_config.kv_cache_memory_bytes
+    refusal = None
+    try:
+        kv_cache_utils.get_kv_cache_configs(config, [dict(specs)], [pool])
+    except (ValueError, NotImplementedError) as exc:
+        refusal = f"{type(exc).__name__}: {exc}"
+    try:
+        groups = kv_cache_utils.get_kv_cache_groups(config, dict(specs))
+    except NotImplementedError as exc:
+        return {"fits": False, "refusal": refusal or str(exc), "groups": [], "layout_error": str(exc)}
+    kv_config = kv_cache_utils.get_kv_cache_config_from_groups(config, groups, pool)
+    pool_tokens, max_concurrency = kv_cache_utils.get_kv_cache_capacity(config, kv_config)
+    group_size = max(len(g.layer_names) for g in groups)
+    page = groups[0].kv_cache_spec.page_size_bytes
+    bytes_per_block = page * group_size
+    group_rows = []
+    blocks_max = blocks_min = 0
+    state_bytes = window_bytes = 0
+    for group in groups:
+        spec = group.kv_cache_spec
+        blocks = cdiv(spec.max_memory_usage_bytes(config), spec.page_size_bytes)
+        if isinstance(spec, MambaSpec):
+            kind, minimum = "gdn-state", blocks
+            state_bytes += blocks * bytes_per_block
+        elif isinstance(spec, SlidingWindowSpec):
+            kind, minimum = "sliding-window", 1
+            window_bytes += blocks * bytes_per_block
+        else:
+            kind, minimum = "attention", 1
+        blocks_max += blocks
+        blocks_min += minimum
+        group_rows.append(
+            {
+                "kind": kind,
+                "layers": len(group.layer_names),
+                "block_size": spec.block_size,
+                "page_bytes": spec.page_size_bytes,
+                "blocks_per_request": blocks,
+            }
+        )
+    num_blocks = kv_config.num_blocks
+    max_len = config.model_config.max_model_len
+    slots = config.scheduler_config.max_num_seqs
+    spare = num_blocks - blocks_max
+    attention_groups = sum(row["kind"] == "attention" for row in group_rows)
+    attention_block = next((row["block_size"] for row in group_rows if row["kind"] == "attention"), 0)
+    return {
+        "fits": refusal is None,
+        "refusal": refusal,
+        "pool_bytes": pool,
+        "pool_tokens": int(pool_tokens),
+        "max_concurrency": float(max_concurrency),
+        "num_blocks": num_blocks,
+        "block_size": attention_block,
+        "bytes_per_block": bytes_per_block,
+        "group_size": group_size,
+        "groups": group_rows,
+        "max_model_len": max_len,
+        "max_num_seqs": slots,
+        "blocks_per_request_at_max_len": blocks_max,
+        "blocks_per_request_minimum": blocks_min,
+        "state_bytes_per_request": state_bytes,
+        "window_bytes_per_request": window_bytes,
+        "context_bytes_per_token": (attention_groups * bytes_per_block / attention_block)
+        if attention_block
+        else 0.0,
+        "slots_resident": min(slots, num_blocks // blocks_min) if blocks_min else slots,
+        "slots_resident_with_max_context": (
+            min(slots, 1 + spare // blocks_min) if spare >= 0 and blocks_min else 0
+        ),
+        "fits_with_all_slots_busy": spare >= 0 and spare >= (slots - 1) * blocks_min,
+        "max_model_len_that_fits": int(
+            kv_cache_utils._estimate_max_model_len_from_groups(config, groups, pool)
+        ),
+    }
+
+
+def main() -> int:
+    """Answer ``{"requests": [...]}`` from stdin with ``{"results": [...]}`` on the
+    last line of stdout (vLLM may log before it); one import of vLLM serves all."""
+    requests = json.loads(sys.stdin.read())["requests"]
+    results = []
+    for request in requests:
+        try:
+            results.append(plan_request(request))
+        except Exception as exc:  # reported to the parent as one line, not a traceback
+            results.append({"error": f"{type(exc).__name__}: {exc}"})
+    sys.stdout.write("\n" + json.dumps({"results": results}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""Launch: render a profile + settings into the exact vLLM invocation, then exec it.
+
+`render_invocation` is pure: the same profile, settings and key give the same argv,
+environment and ``--config`` YAML content. Nearly everything goes into the YAML (vLLM's
+``--config`` takes long-form names; the command line would win over it, so we put nothing
+else there); the API key travels in the environment, never in argv, and is masked
+whenever an invocation is shown.
+
+`qwen38 serve` runs the flow of DESIGN.md: settings -> verify -> plan -> render -> exec,
+with the readiness gate running in a forked watcher so that vLLM itself becomes the
+process (PID 1 in a container, under tini) that receives SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import SecretStr
+
+from entrypoint.errors import LaunchError, SettingsError
+from entrypoint.profiles import Profile, load_profile
+from entrypoint.settings import Settings, load_settings, read_api_key
+
+ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
+MASK = "********"
+SECRET_ENV = frozenset({"VLLM_API_KEY"})
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """Exactly what is exec'ed: argv, the environment set for vLLM, the --config content."""
+
+    argv: list[str]
+    env: dict[str, str]
+    config: dict[str, Any]
+    config_path: Path
+    cache_key: str
+    model_ids: list[str] = field(default_factory=list)
+
+    def config_yaml(self) -> str:
+        return yaml.safe_dump(self.config, sort_keys=False, default_flow_style=False)
+
+    def public(self) -> dict[str, Any]:
+        """The invocation for people and tools: secrets masked."""
+        return {
+            "argv": list(self.argv),
+            "env": {k: (MASK if k in SECRET_ENV else v) for k, v in self.env.items()},
+            "config": self.config,
+            "config_path": str(self.config_path),
+            "cache_key": self.cache_key,
+            "model_ids": list(self.model_ids),
+        }
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The profile's engine settings after the user's overrides were applied."""
+
+    max_model_len: int
+    max_num_seqs: int
+    kv_cache_memory_bytes: int | None
+    prefix_caching: bool
+    speculation: bool
+    enable_thinking: bool | None
+
+
+def resolve(profile: Profile, settings: Settings) -> Resolved:
+    """Apply the overrides; refuse ones the profile cannot honour (one line each)."""
+    engine = profile.engine
+    spec = profile.speculative
+    speculation = settings.speculation if settings.speculation is not None else bool(spec and spec.enabled)
+    if speculation and spec is None:
+        raise SettingsError(f"SPECULATION=true: profile {profile.name} has no speculative decoding configured")
+    prefix_caching = settings.prefix_caching if settings.prefix_caching is not None else engine.enable_prefix_caching
+    if profile.platform == "cpu" and speculation and prefix_caching:
+        raise SettingsError(
+            f"profile {profile.name}: the CPU build cannot combine speculative decoding with prefix caching on "
+            "a hybrid (GDN) target (the align-mode state copy is a Triton kernel); "
+            "set SPECULATION=false or PREFIX_CACHING=false"
+        )
+    return Resolved(
+        max_model_len=settings.max_model_len or engine.max_model_len,
+        max_num_seqs=settings.max_num_seqs or engine.max_num_seqs,
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes or engine.kv_cache_memory_bytes,
+        prefix_caching=prefix_caching,
+        speculation=speculation,
+        enable_thinking=settings.enable_thinking,
+    )
+
+
+def model_dir(settings: Settings, relative: str) -> Path:
+    return (settings.models_dir / relative).absolute()
+
+
+def run_dir(settings: Settings) -> Path:
+    return (settings.cache_dir / "run").absolute()
+
+
+def status_path(settings: Settings, profile_name: str) -> Path:
+    return run_dir(settings) / f"{profile_name}.status.json"
+
+
+def compile_cache_key(profile: Profile, resolved: Resolved) -> str:
+    """A cache directory name keyed by everything that shapes the compiled graphs.
+
+    vLLM 0.28.0's own compile-cache hash misses the speculative depth (upstream #53292);
+    keying the whole cache root by what we know shapes the graphs keeps two shapes from
+    ever sharing an artifact, patched or not.
+    """
+    spec = profile.speculative
+    factors = {
+        "profile": profile.name,
+        "speculation": resolved.speculation,
+        "method": spec.method if (spec and resolved.speculation) else None,
+        "depth": spec.num_speculative_tokens if (spec and resolved.speculation) else 0,
+        "draft_sample_method": spec.draft_sample_method if (spec and resolved.speculation) else None,
+        "lora": profile.lora is not None,
+        "kv_cache_dtype": profile.engine.kv_cache_dtype,
+        "max_num_seqs": resolved.max_num_seqs,
+        "prefix_caching": resolved.prefix_caching,
+        "enforce_eager": profile.engine.enforce_eager,
+        "compilation_config": profile.engine.compilation_config,
+    }
+    digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{profile.name}-{digest}"
+
+
+def _engine_config(profile: Profile, settings: Settings, resolved: Resolved) -> dict[str, Any]:
+    engine = profile.engine
+    config: dict[str, Any] = {
+        "model": str(model_dir(settings, profile.models.target.dir)),
+        "served-model-name": profile.served.base,
+        "host": settings.host,
+        "port": settings.port,
+        "dtype": engine.dtype,
+        "max-model-len": resolved.max_model_len,
+        "max-num-seqs": resolved.max_num_seqs,
+        "kv-cache-dtype": engine.kv_cache_dtype,
+        "enable-prefix-caching": resolved.prefix_caching,
+        "mamba-ssm-cache-dtype": engine.mamba_ssm_cache_dtype,
+        # Per-request cached-token counts: the cache-isolation validator reads them.
+        "enable-prompt-tokens-details": True,
+        "uvicorn-log-level": settings.log_level,
+    }
+    optional = {
+        "kv-cache-memory-bytes": resolved.kv_cache_memory_bytes,
+        "gpu-memory-utilization": engine.gpu_memory_utilization,
+        "max-num-batched-tokens": engine.max_num_batched_tokens,
+        "block-size": engine.block_size,
+        "seed": engine.seed,
+        "compilation-config": engine.compilation_config,
+        "additional-config": engine.additional_config,
+        "structured-outputs-config": engine.structured_outputs_config,
+        "reasoning-parser": engine.reasoning_parser,
+        "enable-flashinfer-autotune": engine.enable_flashinfer_autotune,
+    }
+    config.update({k: v for k, v in optional.items() if v is not None})
+    if engine.enforce_eager:
+        config["enforce-eager"] = True
+    if engine.language_model_only:
+        config["language-model-only"] = True
+    if engine.tool_call_parser:
+        config["enable-auto-tool-choice"] = True
+        config["tool-call-parser"] = engine.tool_call_parser
+
+    template_kwargs = dict(engine.default_chat_template_kwargs or {})
+    if resolved.enable_thinking is not None:
+        template_kwargs["enable_thinking"] = resolved.enable_thinking
+    if template_kwargs:
+        config["default-chat-template-kwargs"] = template_kwargs
+
+    if resolved.speculation and profile.speculative is not None:
+        spec = profile.speculative
+        spec_config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
+        if profile.models.drafter is not None:
+            spec_config["model"] = str(model_dir(settings, profile.models.drafter.dir))
+        if spec.draft_sample_method is not None:
+            spec_config["draft_sample_method"] = spec.draft_sample_method
+        config["speculative-config"] = spec_config
+
+    if profile.lora is not None and profile.models.adapter is not None and profile.served.adapter:
+        config["enable-lora"] = True
+        config["max-lora-rank"] = profile.lora.max_lora_rank
+        config["max-loras"] = profile.lora.max_loras
+        # vLLM turns YAML list items into strings with str(): give it JSON strings.
+        module = {
+            "name": profile.served.adapter,
+            "path": str(model_dir(settings, profile.models.adapter.dir)),
+            "base_model_name": profile.served.base,
+        }
+        config["lora-modules"] = [json.dumps(module, sort_keys=True)]
+
+    for key, value in engine.extra.items():
+        config[key.replace("_", "-")] = value
+    return config
+
+
+def _engine_env(profile: Profile, settings: Settings, api_key: SecretStr | None, cache_key: str) -> dict[str, str]:
+    cache = settings.cache_dir.absolute()
+    env = {
+        "VLLM_CACHE_ROOT": str(cache / "vllm" / cache_key),
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+        "FLASHINFER_WORKSPACE_BASE": str(cache / "flashinfer"),
+        "VLLM_LOGGING_LEVEL": settings.log_level.upper(),
+        # Serving never downloads: every file was fetched, pinned and verified by `prepare`.
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    if profile.platform == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = settings.cuda_visible_devices
+    env.update(profile.env)
+    if api_key is not None:
+        env["VLLM_API_KEY"] = api_key.get_secret_value()
+    return env
+
+
+def render_invocation(
+    profile: Profile,
+    settings: Settings,
+    api_key: SecretStr | None,
+    python: str = sys.executable,
+) -> Invocation:
+    """Profile + settings + key -> the exact vLLM invocation (pure; no I/O)."""
+    if profile.require_api_key and api_key is None:
+        raise SettingsError(
+            f"profile {profile.name} requires an API key: set API_KEY_FILE (e.g. from `qwen38 key init`) "
+            "or VLLM_API_KEY"
+        )
+    resolved = resolve(profile, settings)
+    cache_key = compile_cache_key(profile, resolved)
+    config = _engine_config(profile, settings, resolved)
+    config_path = run_dir(settings) / f"{profile.name}.vllm.yaml"
+    argv = [python, "-m", ENGINE_MODULE, "--config", str(config_path)]
+    return Invocation(
+        argv=argv,
+        env=_engine_env(profile, settings, api_key, cache_key),
+        config=config,
+        config_path=config_path,
+        cache_key=cache_key,
+        model_ids=profile.model_ids,
+    )
+
+
+# ---- I/O edge: commands ------------------------------------------------------------------
+
+
+def load(args: argparse.Namespace) -> tuple[Profile, Settings, SecretStr | None]:
+    settings = load_settings(profile=getattr(args, "profile", None))
+    profile = load_profile(settings.profile, settings.profiles_dir)
+    return profile, settings, read_api_key(settings)
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    profile, settings, key = load(args)
+    invocation = render_invocation(profile, settings, key)
+    public = invocation.public()
+    if args.json:
+        print(json.dumps(public, indent=2))
+        return 0
+    print("# command")
+    print(shlex.join(public["argv"]))
+    print("# environment")
+    for name, value in public["env"].items():
+        print(f"{name}={value}")
+    print(f"# {public['config_path']}")
+    print(invocation.config_yaml(), end="")
+    return 0
+
+
+def write_run_files(invocation: Invocation) -> None:
+    from prepare.atomic import atomic_write_text
+
+    atomic_write_text(invocation.config_path, invocation.config_yaml())
+
+
+def exec_engine(invocation: Invocation, watcher=None) -> None:
+    """Replace this process with vLLM; `watcher(engine_pid)` runs in a detached grandchild.
+
+    The watcher is forked twice: the middle process exits at once and is reaped here before
+    the exec, so the watcher is re-parented to init (tini in the image), which reaps it when
+    it finishes. A plain child would stay a zombie under vLLM, which never waits for it.
+    """
+    env = {**os.environ, **invocation.env}
+    try:
+        os.stat(invocation.argv[0])
+    except FileNotFoundError:
+        raise LaunchError(f"engine interpreter {invocation.argv[0]} does not exist") from None
+    engine_pid = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if watcher is not None:
+        middle = os.fork()
+        if middle == 0:
+            if os.fork() == 0:
+                code = 1
+                try:
+                    code = watcher(engine_pid)
+                except KeyboardInterrupt:
+                    code = 130
+                finally:
+                    os._exit(code)
+            os._exit(0)
+        os.waitpid(middle, 0)
+    os.execve(invocation.argv[0], invocation.argv, env)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from entrypoint import ready
+
+    profile, settings, key = load(args)
+    invocation = render_invocation(profile, settings, key)
+    from entrypoint.preflight import run_preflight
+
+    identity = run_preflight(profile, settings, invocation)
+    write_run_files(invocation)
+    gate = ready.Watcher(profile, settings, key, identity=identity)
+    print(f"qwen38: serving profile {profile.name} ({', '.join(profile.model_ids)}) on {gate.base_url}", flush=True)
+    exec_engine(invocation, watcher=None if args.no_ready_gate else gate.run)
+    return 0  # not reached
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    render = subparsers.add_parser(
+        "render",
+        help="print the exact vLLM invocation a profile renders to (secrets masked)",
+        description="Print the argv, the environment and the --config YAML `qwen38 serve` would exec.",
+    )
+    render.add_argument("--profile", help="profile to render (default: the PROFILE setting)")
+    render.add_argument("--json", action="store_true", help="one JSON object: argv, env, config")
+    render.set_defaults(func=_cmd_render)
+
+    serve = subparsers.add_parser(
+        "serve",
+        help="verify, plan, then exec vLLM for a profile (readiness gate in a watcher)",
+        description="Run the start-up flow: verify the pinned artifacts, plan memory, render the "
+        "invocation and exec vLLM, which becomes this process; a forked watcher runs the readiness "
+        "gate and stops the server if it fails.",
+    )
+    serve.add_argument("--profile", help="profile to serve (default: the PROFILE setting)")
+    serve.add_argument("--no-ready-gate", action="store_true", help="do not run the readiness gate")
+    serve.set_defaults(func=_cmd_serve)

@@ -1,0 +1,245 @@
+"""The readiness gate: a deployment is ready only when it proves it.
+
+1. ``/health`` answers 200;
+2. ``/v1/models`` lists every id the profile serves;
+3. a greedy canary request to the base answers with at least one token;
+4. for LoRA profiles, the adapter's greedy answer differs from the base's (upstream vLLM
+   has an open report of LoRA on this model family silently returning base output).
+
+`qwen38 serve` runs it in a watcher process beside the engine, records the outcome in a
+status file (read by `qwen38 ready --quick`, the container healthcheck) and stops the
+engine when the gate fails: fail closed. `qwen38 ready` runs it against any deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import httpx
+from pydantic import SecretStr
+
+from entrypoint.client import StackClient
+from entrypoint.errors import ReadinessError
+from entrypoint.profiles import Profile
+from entrypoint.settings import Settings
+
+CANARY_PROMPT = "Write one sentence about caches."
+CANARY_TOKENS = 12
+
+
+@dataclass
+class ReadyReport:
+    ready: bool
+    base_url: str
+    model_ids: list[str]
+    seconds: float
+    canary: str = ""
+    adapter_canary: str | None = None
+    identity: str | None = None
+    error: str | None = None
+    checks: list[str] = field(default_factory=list)
+
+
+def _greedy(client: StackClient, model: str) -> str:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": CANARY_PROMPT}],
+        "max_tokens": CANARY_TOKENS,
+        "temperature": 0,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    data = client.post_json("/v1/chat/completions", body)
+    choice = data["choices"][0]
+    text = choice["message"].get("content") or ""
+    if data.get("usage", {}).get("completion_tokens", 0) < 1:
+        raise ReadinessError(f"canary on {model}: no tokens generated")
+    return text
+
+
+def wait_for_health(client: StackClient, timeout: float, alive: Callable[[], bool] = lambda: True) -> float:
+    """Poll /health until it answers 200; seconds waited. Fails fast if the engine died."""
+    start = time.monotonic()
+    delay = 0.5
+    while not client.health():
+        if not alive():
+            raise ReadinessError("the engine exited before it became healthy (see its log above)")
+        if time.monotonic() - start > timeout:
+            raise ReadinessError(
+                f"{client.base_url}/health did not answer 200 within {timeout:.0f} s (READY_TIMEOUT)"
+            )
+        time.sleep(delay)
+        delay = min(delay * 1.5, 5.0)
+    return time.monotonic() - start
+
+
+def run_gate(
+    client: StackClient,
+    base_id: str,
+    adapter_id: str | None,
+    timeout: float,
+    alive: Callable[[], bool] = lambda: True,
+) -> ReadyReport:
+    """The four checks, in order; raises `ReadinessError` naming the first that fails."""
+    start = time.monotonic()
+    expected = [base_id] + ([adapter_id] if adapter_id else [])
+    report = ReadyReport(ready=False, base_url=client.base_url, model_ids=expected, seconds=0.0)
+    wait_for_health(client, timeout, alive)
+    report.checks.append("health: 200")
+    try:
+        listed = client.model_ids()
+    except httpx.HTTPStatusError as exc:
+        raise ReadinessError(f"/v1/models answered {exc.response.status_code} (wrong API key?)") from None
+    missing = [m for m in expected if m not in listed]
+    if missing:
+        raise ReadinessError(f"/v1/models lists {listed}; missing {missing}")
+    report.checks.append(f"models: {', '.join(expected)}")
+    try:
+        report.canary = _greedy(client, base_id)
+        report.checks.append(f"canary: {base_id} answered")
+        if adapter_id:
+            report.adapter_canary = _greedy(client, adapter_id)
+            if report.adapter_canary == report.canary:
+                raise ReadinessError(
+                    f"adapter {adapter_id} answered exactly like the base {base_id} at temperature 0: "
+                    "the LoRA is not being applied (see vLLM #49354)"
+                )
+            report.checks.append(f"adapter: {adapter_id} differs from {base_id}")
+    except httpx.HTTPStatusError as exc:
+        raise ReadinessError(f"canary request failed: {exc}") from None
+    report.ready = True
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def base_url_for(settings: Settings) -> str:
+    host = settings.host
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{settings.port}"
+
+
+def write_status(settings: Settings, profile_name: str, report: ReadyReport) -> None:
+    from entrypoint.launch import status_path
+    from prepare.atomic import atomic_write_text
+
+    atomic_write_text(status_path(settings, profile_name), json.dumps(asdict(report), indent=2) + "\n")
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot): a pid plus this is unique."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+class Watcher:
+    """The forked companion of the engine: runs the gate, reports, fails closed."""
+
+    def __init__(self, profile: Profile, settings: Settings, api_key: SecretStr | None, identity: str | None = None):
+        self.profile = profile
+        self.settings = settings
+        self.api_key = api_key
+        self.identity = identity
+        self.base_url = base_url_for(settings)
+
+    def run(self, engine_pid: int) -> int:
+        """Gate the engine ``engine_pid`` (exec'ed after forking this watcher); exits when it does."""
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+        started = process_start_time(engine_pid)
+
+        def alive() -> bool:
+            # A pid alone may be reused once the engine exits; pid and start time are not.
+            state = _process_state(engine_pid)
+            return state is not None and state != "Z" and process_start_time(engine_pid) == started
+
+        key = self.api_key.get_secret_value() if self.api_key else None
+        with StackClient(self.base_url, key) as client:
+            try:
+                report = run_gate(
+                    client, self.profile.served.base, self.profile.served.adapter, self.settings.ready_timeout, alive
+                )
+            except ReadinessError as exc:
+                report = ReadyReport(False, self.base_url, self.profile.model_ids, 0.0, error=str(exc))
+                report.identity = self.identity
+                write_status(self.settings, self.profile.name, report)
+                if alive():
+                    print(f"qwen38: ready: {exc}; stopping the engine (fail closed)", file=sys.stderr, flush=True)
+                    os.kill(engine_pid, signal.SIGTERM)
+                return 1
+        report.identity = self.identity
+        write_status(self.settings, self.profile.name, report)
+        key_note = self.settings.api_key_source() or "no API key (loopback only)"
+        print(
+            f"qwen38: ready in {report.seconds:.1f} s at {self.base_url}/v1 "
+            f"(models: {', '.join(report.model_ids)}; API key: {key_note})",
+            flush=True,
+        )
+        return 0
+
+
+def _process_state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+# ---- command ---------------------------------------------------------------------------
+
+
+def _cmd_ready(args: argparse.Namespace) -> int:
+    from entrypoint.launch import load, status_path
+
+    profile, settings, key = load(args)
+    base_url = args.base_url or base_url_for(settings)
+    secret = key.get_secret_value() if key else None
+    if args.quick:
+        # The container healthcheck: the gate passed once, and the server still answers.
+        path = status_path(settings, profile.name)
+        try:
+            status = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            raise ReadinessError(f"{path}: no readiness status yet (the gate has not finished)") from None
+        if not status.get("ready"):
+            raise ReadinessError(f"readiness gate failed: {status.get('error')}")
+        with StackClient(base_url, secret) as client:
+            if not client.health():
+                raise ReadinessError(f"{base_url}/health does not answer 200")
+        print("ready")
+        return 0
+    with StackClient(base_url, secret) as client:
+        report = run_gate(client, profile.served.base, profile.served.adapter, args.timeout)
+    if args.json:
+        print(json.dumps(asdict(report), indent=2))
+    else:
+        for check in report.checks:
+            print(f"ok  {check}")
+        print(f"ready: {base_url} in {report.seconds:.1f} s")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "ready",
+        help="run the readiness gate against a deployment",
+        description="Prove a deployment is ready: /health, every model id listed, a greedy canary, "
+        "and for LoRA profiles an adapter answer that differs from the base.",
+    )
+    parser.add_argument("--profile", help="profile whose ids to expect (default: the PROFILE setting)")
+    parser.add_argument("--base-url", help="server URL (default: from HOST and PORT)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for /health")
+    parser.add_argument("--quick", action="store_true", help="healthcheck: recorded gate result + /health")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(func=_cmd_ready)

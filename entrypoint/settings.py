@@ -1,0 +1,352 @@
+"""Settings: every user-facing knob, defined once.
+
+Read from the environment and a ``.env`` file (pydantic-settings). The field definitions
+below are the single source of truth: ``.env.example`` and the README's settings table are
+generated from them (``qwen38 settings example|table``) and a test fails when they drift.
+Unknown keys in ``.env``, out-of-range values and conflicting knobs fail with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import ipaddress
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from entrypoint.errors import SettingsError
+from entrypoint.profiles import PROFILES_DIR
+
+SECTIONS = {
+    "serving": "What to serve and where",
+    "security": "Authentication (vLLM accepts anyone without a key)",
+    "paths": "Where models and caches live",
+    "overrides": "Per-deployment overrides of the profile (empty: the profile decides)",
+    "runtime": "Start-up behaviour",
+    "compose": "Containers: read by docker compose (compose.yaml), not by the server",
+}
+
+MIN_API_KEY_LENGTH = 16
+# An image reference: [registry/]name[:tag][@sha256:digest], lower-case name components.
+IMAGE_REFERENCE = r"^[a-z0-9]+([._/:-][a-z0-9]+)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$"
+
+
+def _knob(default: Any, section: str, description: str, example: str | None = None, **kw: Any):
+    """A settings field with its documentation; `example` is the value shown in .env.example."""
+    extra = {"section": section}
+    if example is not None:
+        extra["example"] = example
+    return Field(default, description=description, json_schema_extra=extra, **kw)
+
+
+class Settings(BaseSettings):
+    """The knobs a user sets in the environment or in `.env`."""
+
+    model_config = SettingsConfigDict(
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="forbid",
+        case_sensitive=False,
+        env_ignore_empty=True,
+        frozen=True,
+    )
+
+    profile: str = _knob("cpu", "serving", "Profile to serve: a file name in profiles/ (without .toml).")
+    host: str = _knob(
+        "127.0.0.1",
+        "serving",
+        "Address to listen on. Anything but a loopback address needs an API key.",
+        example="127.0.0.1",
+    )
+    port: int = _knob(18020, "serving", "TCP port of the OpenAI/Anthropic-compatible API.", ge=1, le=65535)
+
+    vllm_api_key: SecretStr | None = _knob(
+        None,
+        "security",
+        "API key clients send as `Authorization: Bearer <key>`. Prefer API_KEY_FILE.",
+        example="",
+    )
+    api_key_file: Path | None = _knob(
+        None,
+        "security",
+        "File holding the API key (e.g. a Docker secret at /run/secrets/api_key).",
+        example="",
+    )
+
+    models_dir: Path = _knob(Path("models"), "paths", "Root of downloaded, prepared and generated models.")
+    profiles_dir: Path = _knob(
+        PROFILES_DIR, "paths", "Directory of profile files (the repository's profiles/ unless you keep your own).",
+        example="",
+    )
+    cache_dir: Path = _knob(
+        Path(".cache/qwen38"),
+        "paths",
+        "Compile caches (vLLM, Triton, FlashInfer JIT), run files and the readiness status.",
+    )
+
+    cuda_visible_devices: str = _knob(
+        "0",
+        "serving",
+        "GPU(s) vLLM may use (GPU profiles). Always explicit: vLLM otherwise picks by free memory.",
+        pattern=r"^(\d+(,\d+)*|GPU-[0-9a-fA-F-]+|MIG-[0-9a-fA-F-/]+)$",
+    )
+
+    max_model_len: int | None = _knob(
+        None, "overrides", "Longest request in tokens (the planner refuses what cannot fit).", example="", ge=256
+    )
+    max_num_seqs: int | None = _knob(None, "overrides", "Concurrent request slots.", example="", ge=1, le=1024)
+    kv_cache_memory_bytes: int | None = _knob(
+        None, "overrides", "KV-cache pool size in bytes.", example="", ge=1 << 20
+    )
+    speculation: bool | None = _knob(
+        None, "overrides", "Speculative decoding on/off (the profile's drafter and depth).", example=""
+    )
+    prefix_caching: bool | None = _knob(None, "overrides", "Automatic prefix caching on/off.", example="")
+    enable_thinking: bool | None = _knob(
+        None, "overrides", "Server-wide default for the chat template's `enable_thinking`.", example=""
+    )
+
+    ready_timeout: float = _knob(
+        1800.0, "runtime", "Seconds the readiness gate waits for a first start (compile + graphs).", ge=10, le=86400
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = _knob("info", "runtime", "Log level of vLLM and ours.")
+
+    image_rtx3090: str | None = _knob(
+        None,
+        "compose",
+        "Image of `single`/`long` (empty: the published image pinned by digest in compose.yaml). "
+        "Set a plain tag (e.g. qwen38-stack:rtx3090) to build locally with `docker compose build`.",
+        example="",
+        pattern=IMAGE_REFERENCE,
+    )
+    image_spark: str | None = _knob(
+        None,
+        "compose",
+        "Image of `spark-lora` (empty: the published image pinned by digest in compose.yaml).",
+        example="",
+        pattern=IMAGE_REFERENCE,
+    )
+    image_cpu: str | None = _knob(
+        None,
+        "compose",
+        "Image of `cpu` (empty: the published image pinned by digest in compose.yaml).",
+        example="",
+        pattern=IMAGE_REFERENCE,
+    )
+    gpu_device: str = _knob(
+        "0",
+        "compose",
+        "Host GPU the serving container reserves (index or GPU-UUID); inside the container it is device 0.",
+        pattern=r"^(\d+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-fA-F-/]+)$",
+    )
+    publish_address: str = _knob(
+        "127.0.0.1",
+        "compose",
+        "Host address the API port is published on (0.0.0.0: every interface; the API key guards /v1).",
+    )
+    publish_port: int = _knob(18020, "compose", "Host port the API is published on.", ge=1, le=65535)
+
+    @field_validator("host")
+    @classmethod
+    def _valid_host(cls, value: str) -> str:
+        if value == "localhost":
+            return value
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]*", value):
+                raise ValueError(f"not an IP address or host name: {value!r}") from None
+        return value
+
+    @field_validator("publish_address")
+    @classmethod
+    def _valid_publish_address(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"not an IP address: {value!r}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _known_profile(self) -> Settings:
+        from entrypoint.profiles import profile_names
+
+        names = profile_names(self.profiles_dir)
+        if self.profile not in names:
+            raise ValueError(
+                f"PROFILE={self.profile}: no profile {self.profile!r} in {self.profiles_dir}; "
+                f"known profiles: {', '.join(names)}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _no_conflicts(self) -> Settings:
+        if self.vllm_api_key is not None and self.api_key_file is not None:
+            raise ValueError("VLLM_API_KEY and API_KEY_FILE are both set; set one of them")
+        if not self.has_api_key and not is_loopback(self.host):
+            raise ValueError(
+                f"HOST={self.host} would expose the API without a key: "
+                "set API_KEY_FILE (or VLLM_API_KEY), or listen on 127.0.0.1"
+            )
+        return self
+
+    @property
+    def has_api_key(self) -> bool:
+        return self.vllm_api_key is not None or self.api_key_file is not None
+
+    def api_key_source(self) -> str | None:
+        """Where the key comes from, for people (never the key itself)."""
+        if self.api_key_file is not None:
+            return f"file {self.api_key_file}"
+        if self.vllm_api_key is not None:
+            return "environment variable VLLM_API_KEY"
+        return None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _env_name(field: str) -> str:
+    return field.upper()
+
+
+def _describe(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = err["loc"]
+    if err["type"] == "extra_forbidden":
+        key = str(loc[0]).upper()
+        known = [_env_name(f) for f in Settings.model_fields]
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"; did you mean {close[0]}?" if close else f"; known settings: {', '.join(known)}"
+        return f"unknown setting {key} in .env{hint}"
+    if not loc:
+        return err["msg"].removeprefix("Value error, ")
+    field = str(loc[0])
+    found = err.get("input")
+    shown = "<secret>" if field == "vllm_api_key" else json.dumps(found, default=str)
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{_env_name(field)}={shown}: {msg}"
+
+
+def load_settings(env_file: str | os.PathLike | None = ".env", **overrides: Any) -> Settings:
+    """Read settings (explicit overrides > environment > .env > defaults); one-line errors."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(_env_file=env_file, **overrides)
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc)) from None
+
+
+def load_settings_profile(settings: Settings):
+    """The profile the settings name, from the settings' profiles directory."""
+    from entrypoint.profiles import load_profile
+
+    return load_profile(settings.profile, settings.profiles_dir)
+
+
+def read_api_key(settings: Settings) -> SecretStr | None:
+    """The configured API key, from VLLM_API_KEY or API_KEY_FILE (never printed)."""
+    if settings.vllm_api_key is not None:
+        key = settings.vllm_api_key.get_secret_value().strip()
+        source = "VLLM_API_KEY"
+    elif settings.api_key_file is not None:
+        path = settings.api_key_file
+        try:
+            key = path.read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            raise SettingsError(f"API_KEY_FILE={path}: no such file") from None
+        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+            raise SettingsError(f"API_KEY_FILE={path}: cannot read the key ({type(exc).__name__})") from None
+        source = f"API_KEY_FILE={path}"
+    else:
+        return None
+    if len(key) < MIN_API_KEY_LENGTH or any(c.isspace() for c in key):
+        raise SettingsError(
+            f"{source}: the key must be one word of at least {MIN_API_KEY_LENGTH} characters "
+            "(e.g. `openssl rand -hex 24`)"
+        )
+    return SecretStr(key)
+
+
+# ---- documentation generated from the fields ------------------------------------------
+
+
+def _example_value(name: str, info: Any) -> str:
+    extra = info.json_schema_extra or {}
+    if "example" in extra:
+        return extra["example"]
+    default = info.default
+    return "" if default is None else str(default)
+
+
+def render_env_example() -> str:
+    """The content of `.env.example`, generated from the field definitions."""
+    lines = [
+        "# qwen38-stack settings. Generated by `qwen38 settings example` from entrypoint/settings.py;",
+        "# edit that file, not this one. Copy to .env and change what you need.",
+        "# Empty values mean: the profile (or the default) decides.",
+    ]
+    by_section: dict[str, list[str]] = {s: [] for s in SECTIONS}
+    for name, info in Settings.model_fields.items():
+        section = (info.json_schema_extra or {})["section"]
+        by_section[section].append(f"# {info.description}\n{_env_name(name)}={_example_value(name, info)}")
+    for section, entries in by_section.items():
+        if entries:
+            lines.append("")
+            lines.append(f"## {SECTIONS[section]}")
+            lines.extend(entries)
+    return "\n".join(lines) + "\n"
+
+
+def render_settings_table() -> str:
+    """A Markdown table of every setting, generated from the field definitions."""
+    rows = ["| Setting | Default | What it does |", "|---|---|---|"]
+    for name, info in Settings.model_fields.items():
+        default = "" if info.default is None else f"`{info.default}`"
+        rows.append(f"| `{_env_name(name)}` | {default} | {info.description} |")
+    return "\n".join(rows) + "\n"
+
+
+def masked(settings: Settings) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in Settings.model_fields:
+        value = getattr(settings, name)
+        if isinstance(value, SecretStr):
+            value = "********"
+        elif isinstance(value, Path):
+            value = str(value)
+        out[_env_name(name)] = value
+    return out
+
+
+def _cmd_settings(args: argparse.Namespace) -> int:
+    if args.action == "example":
+        print(render_env_example(), end="")
+    elif args.action == "table":
+        print(render_settings_table(), end="")
+    else:
+        print(json.dumps(masked(load_settings()), indent=2))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "settings",
+        help="show the effective settings, or generate .env.example / the README table",
+        description="Show the effective settings (secrets masked), or print the generated "
+        ".env.example or README settings table.",
+    )
+    parser.add_argument("action", nargs="?", choices=["show", "example", "table"], default="show")
+    parser.set_defaults(func=_cmd_settings)

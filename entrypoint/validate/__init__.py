@@ -1,0 +1,105 @@
+"""`qwen38 validate`: validators usable against any running deployment.
+
+``apis`` proves the API surface for every model id; ``cache-isolation`` proves that
+prefix caching reuses blocks within an identity and never across base and adapter. Both
+print a table (or ``--json``) and exit non-zero when any check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from entrypoint.client import StackClient
+from entrypoint.errors import SettingsError, ValidationFailed
+from entrypoint.validate.cache_isolation import DEFAULT_PREFIX_TOKENS
+from entrypoint.validate.report import Report
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key and args.api_key_file:
+        raise SettingsError("--api-key and --api-key-file are both given; use one")
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            return Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise SettingsError(f"--api-key-file {args.api_key_file}: {exc.strerror}") from None
+    return os.environ.get("VLLM_API_KEY") or None
+
+
+def _target(args: argparse.Namespace) -> tuple[str, str | None]:
+    """Base URL and key: explicit flags, else the local deployment's settings."""
+    key = _api_key(args)
+    if args.base_url:
+        return args.base_url, key
+    from entrypoint.ready import base_url_for
+    from entrypoint.settings import load_settings, read_api_key
+
+    settings = load_settings()
+    if key is None:
+        secret = read_api_key(settings)
+        key = secret.get_secret_value() if secret else None
+    return base_url_for(settings), key
+
+
+def _finish(report: Report, as_json: bool) -> int:
+    print(report.to_json() if as_json else report.to_table())
+    if report.failed:
+        names = ", ".join(f"{c.name} ({c.model})" for c in report.failed[:5])
+        raise ValidationFailed(f"{len(report.failed)} check(s) failed: {names}")
+    return 0
+
+
+def _cmd_apis(args: argparse.Namespace) -> int:
+    from entrypoint.validate.apis import validate_apis
+
+    base_url, key = _target(args)
+    with StackClient(base_url, key) as client:
+        report = validate_apis(client, args.model or None, has_key=key is not None)
+    return _finish(report, args.json)
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    from entrypoint.validate.cache_isolation import validate_cache_isolation
+
+    base_url, key = _target(args)
+    with StackClient(base_url, key) as client:
+        base, adapter = args.base_model, args.adapter_model
+        if base is None or adapter is None:
+            response = client.get("/v1/models")
+            if response.status_code != 200:
+                raise ValidationFailed(f"/v1/models answered {response.status_code} (wrong or missing key?)")
+            ids = [entry["id"] for entry in response.json()["data"]]
+            if len(ids) < 2:
+                raise SettingsError(f"/v1/models lists {ids}: name --base-model and --adapter-model")
+            base, adapter = base or ids[0], adapter or ids[1]
+        report = validate_cache_isolation(client, base, adapter, args.prefix_tokens)
+    return _finish(report, args.json)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", help="server URL (default: from the HOST/PORT settings)")
+    parser.add_argument("--api-key", help="API key (visible to other users in `ps`; prefer --api-key-file)")
+    parser.add_argument("--api-key-file", help="file holding the API key (default: VLLM_API_KEY or the settings)")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("validate", help="validate a running deployment (APIs, cache isolation)")
+    validators = parser.add_subparsers(dest="validator", metavar="VALIDATOR", required=True)
+
+    apis = validators.add_parser("apis", help="chat, completions, responses, messages, tools, errors")
+    _common(apis)
+    apis.add_argument("--model", action="append", help="model id to check (repeatable; default: all listed)")
+    apis.set_defaults(func=_cmd_apis)
+
+    cache = validators.add_parser("cache-isolation", help="prefix-cache reuse within, never across, identities")
+    _common(cache)
+    cache.add_argument("--base-model", help="base id (default: the first listed)")
+    cache.add_argument("--adapter-model", help="adapter id (default: the second listed)")
+    cache.add_argument("--prefix-tokens", type=int, default=DEFAULT_PREFIX_TOKENS,
+                       help="length of the shared prefix (clamped below the max context)")
+    cache.set_defaults(func=_cmd_cache)

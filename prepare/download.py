@@ -1,0 +1,352 @@
+"""`qwen38 prepare download`: fetch pinned artifacts, prove them, then write their manifest.
+
+For each artifact (named, or every slot of ``--profile P`` that is an artifact as
+downloaded, i.e. ``artifact`` set and ``transform`` unset):
+
+1. refuse an artifact the lock does not fully pin (one line + the command that pins it);
+2. skip it when its directory already carries the manifest the lock implies and every
+   file has its pinned size (``qwen38 verify`` then proves the content; ``--recheck``
+   hashes what is in place instead and fetches again whatever does not match);
+3. otherwise drop the old manifest first (the directory is no longer vouched for), hash
+   files already present, and check the free disk against what is still missing;
+4. fetch each missing file into ``DIR/.qwen38-staging/<sha256>.part`` through
+   huggingface_hub, resuming a partial file left by an interrupted run (HTTP Range), hash
+   the staged bytes, and only when size and sha256 match the lock fsync and rename the
+   file into place; a mismatch discards the staged file and names repo, revision, file,
+   expected and found;
+5. write the manifest last (`prepare.manifest.write_manifest`).
+
+Where files land: ``MODELS_DIR/<slot.dir>`` for ``--profile``; ``MODELS_DIR/<artifact
+key>`` for an artifact named on the command line (the default directory of every
+artifact is its key). A user-supplied (``local``) artifact is copied in from ``--from
+PATH`` the same way, or checked in place when its files are already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from entrypoint.errors import DownloadError
+from prepare.artifact_lock import LOCK_PATH, ArtifactLock, LockedArtifact, LockedFile, load_lock
+from prepare.hashing import hash_files, sha256_file
+from prepare.manifest import MANIFEST_NAME, Manifest, ManifestError, content_files, read_manifest, write_manifest
+
+STAGING_DIR = ".qwen38-staging"
+LOCK_FILE = ".qwen38-download.lock"
+
+
+@dataclass(frozen=True)
+class DownloadTarget:
+    artifact: str
+    dir: str
+
+
+def default_dir(artifact_key: str) -> str:
+    """Where an artifact named on the command line lands under MODELS_DIR: its key."""
+    return artifact_key
+
+
+def targets_for_profile(profile) -> list[DownloadTarget]:
+    """Every slot of ``profile`` that is an artifact as downloaded (no transform, not generated)."""
+    slots = [profile.models.target, profile.models.drafter, profile.models.adapter]
+    return [
+        DownloadTarget(slot.artifact, slot.dir)
+        for slot in slots
+        if slot is not None and slot.artifact is not None and slot.transform is None
+    ]
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _exclusive(dest: Path) -> Iterator[None]:
+    """One download per directory at a time (two would share staging files)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with open(dest / LOCK_FILE, "a+b") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DownloadError(f"{dest}: another `qwen38 prepare download` is writing here; wait for it") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _progress_bar(total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=None, leave=False)
+
+
+def _is_current(dest: Path, expected: Manifest) -> bool:
+    """The directory already carries the lock's manifest and every file has its size."""
+    try:
+        manifest = read_manifest(dest)
+    except ManifestError:
+        return False
+    if manifest.digest != expected.digest:
+        return False
+    for entry in expected.files:
+        try:
+            if (dest / entry.path).stat().st_size != entry.size:
+                return False
+        except FileNotFoundError:
+            return False
+    present = {p.relative_to(dest).as_posix() for p in content_files(dest)}
+    return present == {f.path for f in expected.files}
+
+
+def is_current(dest: Path, artifact: LockedArtifact) -> bool:
+    """``dest`` already holds the pinned ``artifact`` (its manifest is the lock's, every file at
+    its size): what `download_artifact` skips without ``recheck``. Hashes are not read."""
+    return _is_current(Path(dest), artifact.expected_manifest())
+
+
+def free_bytes(path: Path) -> int:
+    for candidate in [path, *path.parents]:
+        if candidate.exists():
+            return shutil.disk_usage(candidate).free
+    return 0
+
+
+def check_free_disk(dest: Path, needed: int, what: str) -> None:
+    free = free_bytes(dest)
+    if needed > free:
+        raise DownloadError(
+            f"{dest}: {what} needs {needed / 1e9:.2f} GB more on disk, {free / 1e9:.2f} GB are free; "
+            "free space or point MODELS_DIR at a larger disk"
+        )
+
+
+Fetch = Callable[[LockedFile, Path], None]
+
+
+def _hub_fetch(artifact: LockedArtifact, endpoint: str | None) -> Fetch:
+    from prepare.hub import download_resumable
+
+    def fetch(entry: LockedFile, staging: Path) -> None:
+        try:
+            download_resumable(
+                repo=artifact.repo,  # type: ignore[arg-type]
+                revision=artifact.revision,  # type: ignore[arg-type]
+                path=entry.path,
+                size=entry.size,
+                sha256=entry.sha256,
+                staging=staging,
+                endpoint=endpoint,
+            )
+        except DownloadError as exc:
+            kept = staging.stat().st_size if staging.exists() else 0
+            note = f"; {kept} bytes kept in {staging}, the next run resumes there" if kept else ""
+            raise DownloadError(f"{exc}{note}") from None
+
+    return fetch
+
+
+def _local_fetch(artifact: LockedArtifact, source: Path) -> Fetch:
+    files = artifact.require_pinned()
+
+    def fetch(entry: LockedFile, staging: Path) -> None:
+        src = source if (source.is_file() and len(files) == 1) else source / entry.path
+        if not src.is_file():
+            raise DownloadError(f"--from {source}: {entry.path} not found there (artifact {artifact.key})")
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, staging)
+
+    return fetch
+
+
+def _where(artifact: LockedArtifact, path: str) -> str:
+    if artifact.source == "hub":
+        return f"{artifact.repo}@{artifact.revision}/{path}"
+    return f"{artifact.key} (local)/{path}"
+
+
+def download_artifact(
+    artifact: LockedArtifact,
+    dest: Path,
+    *,
+    endpoint: str | None = None,
+    source: Path | None = None,
+    prune: bool = False,
+    recheck: bool = False,
+    jobs: int | None = None,
+    lock_path: Path | str = LOCK_PATH,
+    say: Callable[[str], None] = print,
+) -> Manifest:
+    """Make ``dest`` hold exactly the pinned ``artifact`` and its manifest (see the module doc)."""
+    files = artifact.require_pinned(lock_path)
+    expected = artifact.expected_manifest()
+    dest = Path(dest)
+    if not recheck and _is_current(dest, expected):
+        say(f"{artifact.key}: {dest} is up to date ({len(files)} files)")
+        return expected
+
+    with _exclusive(dest):
+        # From here on the directory is not vouched for until the new manifest is written.
+        (dest / MANIFEST_NAME).unlink(missing_ok=True)
+
+        pinned = {f.path: f for f in files}
+        present = {p.relative_to(dest).as_posix(): p for p in content_files(dest)}
+        extra = sorted(set(present) - set(pinned))
+        if extra and not prune:
+            raise DownloadError(
+                f"{dest}: holds files the lock does not list for {artifact.key}: {', '.join(extra[:5])}"
+                f"{' ...' if len(extra) > 5 else ''}; remove them or pass --prune"
+            )
+        for rel in extra:
+            present.pop(rel).unlink()
+            say(f"{artifact.key}: removed {rel} (not in the lock)")
+
+        # Files already in place count only when their bytes are the pinned ones.
+        sized = [p for rel, p in present.items() if p.stat().st_size == pinned[rel].size]
+        total = sum(p.stat().st_size for p in sized)
+        with _progress_bar(total, f"checking {artifact.key}") as bar:
+            digests = hash_files(sized, jobs=jobs, progress=bar.update)
+        good = {
+            rel for rel, p in present.items() if p in digests and digests[p] == pinned[rel].sha256
+        }
+        pending = [f for f in files if f.path not in good]
+
+        staging_dir = dest / STAGING_DIR
+        staged = {
+            f.path: (staging_dir / f"{f.sha256}.part").stat().st_size
+            for f in pending
+            if (staging_dir / f"{f.sha256}.part").exists()
+        }
+        needed = sum(max(f.size - min(staged.get(f.path, 0), f.size), 0) for f in pending)
+        check_free_disk(dest, needed, f"{artifact.key} ({len(pending)} files)")
+
+        if artifact.source == "hub":
+            fetch = _hub_fetch(artifact, endpoint)
+        elif source is not None:
+            fetch = _local_fetch(artifact, source)
+        elif pending:
+            first = pending[0]
+            raise DownloadError(
+                f"{dest / first.path}: missing or not the pinned file (sha256 {first.sha256}, "
+                f"{first.size} bytes) of user-supplied artifact {artifact.key}; copy it there or pass "
+                f"--from PATH"
+            )
+        else:
+            fetch = None
+
+        for index, entry in enumerate(pending, 1):
+            staging = staging_dir / f"{entry.sha256}.part"
+            resumed = staged.get(entry.path, 0)
+            note = f", resuming at {resumed / 1e9:.2f} GB" if 0 < resumed < entry.size else ""
+            say(f"{artifact.key}: [{index}/{len(pending)}] {entry.path} ({entry.size / 1e9:.2f} GB{note})")
+            fetch(entry, staging)  # type: ignore[misc]
+            with _progress_bar(entry.size, f"sha256 {entry.path}") as bar:
+                found = sha256_file(staging, bar.update)
+            size = staging.stat().st_size
+            if size != entry.size or found != entry.sha256:
+                staging.unlink(missing_ok=True)  # wrong bytes are never resumed from
+                raise DownloadError(
+                    f"{_where(artifact, entry.path)}: sha256 expected {entry.sha256} ({entry.size} bytes), "
+                    f"found {found} ({size} bytes); the download was discarded, nothing was installed"
+                )
+            final = dest / entry.path
+            final.parent.mkdir(parents=True, exist_ok=True)
+            _fsync_path(staging)
+            os.replace(staging, final)
+            _fsync_path(final.parent)
+
+        with contextlib.suppress(OSError):
+            staging_dir.rmdir()
+        manifest = write_manifest(dest, artifact.identity(), files={f.path: f.sha256 for f in files})
+        if manifest.digest != expected.digest:  # the files on disk have other sizes than pinned
+            (dest / MANIFEST_NAME).unlink(missing_ok=True)
+            raise DownloadError(f"{dest}: the verified files do not form the pinned manifest; run again")
+        say(f"{artifact.key}: {dest} verified, {len(files)} files, {artifact.total_size / 1e9:.2f} GB")
+        return manifest
+
+
+def resolve_targets(
+    args: argparse.Namespace, lock: ArtifactLock, lock_path: Path, profiles_dir: Path
+) -> list[DownloadTarget]:
+    from entrypoint import profiles
+
+    if args.profile and args.artifacts:
+        raise DownloadError("name artifacts or --profile, not both")
+    if args.profile:
+        profile = profiles.load_profile(args.profile, profiles_dir)
+        targets = targets_for_profile(profile)
+        if not targets:
+            raise DownloadError(f"profile {args.profile} downloads nothing (its models are generated or derived)")
+    elif args.artifacts:
+        targets = [DownloadTarget(key, default_dir(key)) for key in args.artifacts]
+    else:
+        raise DownloadError("name the ARTIFACTs to download, or --profile P")
+    for target in targets:
+        lock.get(target.artifact, lock_path)
+    return targets
+
+
+def _cmd_download(args: argparse.Namespace) -> int:
+    from entrypoint.settings import load_settings
+
+    lock_path = Path(args.lock)
+    lock = load_lock(lock_path)
+    settings = load_settings(profile=args.profile)
+    targets = resolve_targets(args, lock, lock_path, settings.profiles_dir)
+    source = Path(args.source) if args.source else None
+    if source is not None:
+        local = [t for t in targets if lock.get(t.artifact).source == "local"]
+        if len(local) != 1:
+            raise DownloadError("--from names the file of exactly one user-supplied artifact; name that one")
+    # Check every pin before fetching anything: fail in the first second, not after 20 GB.
+    for target in targets:
+        lock.get(target.artifact).require_pinned(lock_path)
+    for target in targets:
+        artifact = lock.get(target.artifact)
+        download_artifact(
+            artifact,
+            Path(settings.models_dir) / target.dir,
+            endpoint=args.endpoint,
+            source=source if artifact.source == "local" else None,
+            prune=args.prune,
+            recheck=args.recheck,
+            jobs=args.jobs,
+            lock_path=lock_path,
+        )
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "download",
+        help="download pinned artifacts, verify their sha256 and write their manifests",
+        description="Download the pinned revision of each ARTIFACT (or of every downloaded slot "
+        "of --profile P) into MODELS_DIR, resumably, verifying each file's sha256 before it is "
+        "moved into place, then write the directory's manifest. Artifacts named here land in "
+        "MODELS_DIR/<artifact key>.",
+    )
+    parser.add_argument("artifacts", nargs="*", metavar="ARTIFACT", help="artifact keys of the lock")
+    parser.add_argument("--profile", help="download every artifact slot of this profile")
+    parser.add_argument("--from", dest="source", metavar="PATH", help="copy a user-supplied artifact from here")
+    parser.add_argument("--endpoint", help="hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
+    parser.add_argument("--prune", action="store_true", help="delete files in the directory the lock does not list")
+    parser.add_argument(
+        "--recheck",
+        action="store_true",
+        help="hash the files already in place even when the manifest says the directory is up to date, "
+        "and fetch again whatever does not match",
+    )
+    parser.add_argument("--jobs", type=int, default=None, help="files hashed in parallel (default: cores)")
+    parser.add_argument("--lock", default=str(LOCK_PATH), help=argparse.SUPPRESS)
+    parser.set_defaults(func=_cmd_download)

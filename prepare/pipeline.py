@@ -1,0 +1,250 @@
+"""`qwen38 prepare --profile P`: make every model directory of a profile exist, once.
+
+Each model slot of the profile says where its directory comes from:
+
+- ``generated = "tiny"``: `qwen38 tiny` writes it (with the other tiny models);
+- ``artifact`` alone: the pinned download (`prepare.download`), in the slot's directory;
+- ``artifact`` + ``transform``: a preparation step (`prepare.transforms`) applied to the
+  pinned download of ``artifact``, which lands first where `qwen38 prepare download KEY`
+  puts it (``MODELS_DIR/<key>``, or the directory of a slot of the same profile that
+  serves that artifact as downloaded). ``requantize-int8`` reads that download;
+  ``adapter-build`` reads the profile's target (the base model) and the downloaded
+  directions file.
+
+`plan_profile` turns a profile and the lock into these steps (pure); `prepare_profile`
+first refuses anything it cannot do - an artifact the lock does not pin (the lock's own
+one-line message), a transform this build lacks - before fetching a byte, then runs each
+step that is not already done. Every step is idempotent: a download whose directory
+already carries the lock's manifest with every file at its size, a derived directory
+whose manifest has exactly the identity the step would write, or a tiny model directory
+with a manifest, is left alone; so a second run does nothing (the compose ``prepare``
+service runs this on every ``up``). `qwen38 verify` then proves the content; when it finds
+altered bytes, ``--recheck`` hashes what is in place instead of trusting sizes, and fetches
+or rebuilds whatever does not match its manifest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from entrypoint.errors import PrepareError
+from entrypoint.profiles import ModelSlot, Profile
+from prepare.artifact_lock import LOCK_PATH, ArtifactLock, load_lock
+from prepare.manifest import MANIFEST_NAME
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing `prepare_profile` may do: make ``directory`` by ``action``."""
+
+    slot: str  # the profile slot it serves, e.g. "target", or "target input"
+    directory: Path
+    action: str  # "tiny", "download", or a transform name
+    artifact: str | None = None
+    inputs: tuple[Path, ...] = ()  # what a transform reads, in the order it takes them
+
+    def describe(self) -> str:
+        what = f"{self.action} {self.artifact}" if self.artifact and self.action == "download" else self.action
+        return f"{self.slot}: {what} -> {self.directory}"
+
+
+def _slots(profile: Profile) -> list[tuple[str, ModelSlot]]:
+    return [(name, slot) for name, slot in profile.models if slot is not None]
+
+
+def input_dir(profile: Profile, models_dir: Path, artifact: str) -> Path:
+    """Where the download of ``artifact`` that a transform reads lives."""
+    from prepare.download import default_dir
+
+    for _, slot in _slots(profile):
+        if slot.artifact == artifact and slot.transform is None:
+            return models_dir / slot.dir
+    return models_dir / default_dir(artifact)
+
+
+def plan_profile(profile: Profile, models_dir: Path) -> list[Step]:
+    """Every step the profile's directories need, downloads before the transforms that read them."""
+    downloads: list[Step] = []
+    derived: list[Step] = []
+    tiny: list[Step] = []
+
+    def download(slot_name: str, artifact: str, directory: Path) -> None:
+        if not any(s.directory == directory for s in downloads):
+            downloads.append(Step(slot_name, directory, "download", artifact))
+
+    slots = dict(_slots(profile))
+    for name, slot in slots.items():
+        directory = models_dir / slot.dir
+        if slot.generated is not None and slot.transform is not None:
+            raise PrepareError(
+                f"profile {profile.name}: {name} is {slot.transform} of a generated model, which this pipeline "
+                f"does not chain; run `qwen38 {slot.generated}` and `qwen38 prepare {slot.transform.split('-')[0]}` "
+                "as the GPU test tier does"
+            )
+        if slot.generated is not None:
+            tiny.append(Step(name, directory, slot.generated))
+        elif slot.transform is None:
+            download(name, slot.artifact, directory)  # type: ignore[arg-type]
+        else:
+            source = input_dir(profile, models_dir, slot.artifact)  # type: ignore[arg-type]
+            download(f"{name} input", slot.artifact, source)  # type: ignore[arg-type]
+            inputs: tuple[Path, ...] = (source,)
+            if slot.transform == "adapter-build":
+                base = slots["target"]
+                if base.transform is not None or base.artifact is None:
+                    raise PrepareError(
+                        f"profile {profile.name}: adapter-build reads the target as downloaded, but the target "
+                        "slot is not a plain artifact"
+                    )
+                inputs = (models_dir / base.dir, source)
+            derived.append(Step(name, directory, slot.transform, slot.artifact, inputs))
+    return tiny + downloads + derived
+
+
+def check_plan(steps: list[Step], lock: ArtifactLock, lock_path: Path | str) -> None:
+    """Refuse, before any work, what cannot be done: unpinned artifacts, missing transforms."""
+    from prepare.transforms import transform_module
+
+    for step in steps:
+        if step.action == "download":
+            lock.get(step.artifact, lock_path).require_pinned(lock_path)  # type: ignore[arg-type]
+    for step in steps:
+        if step.action not in ("download", "tiny"):
+            try:
+                transform_module(step.action)
+            except PrepareError as exc:
+                raise PrepareError(f"{step.slot} {step.directory}: {exc}") from None
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _run_tiny(step: Step, models_dir: Path) -> bool:
+    if (step.directory / MANIFEST_NAME).is_file():
+        return False
+    from prepare.tiny import build_tiny_models
+
+    root = step.directory.parent
+    if root == models_dir:
+        raise PrepareError(f"{step.slot}: tiny models live in a subdirectory of MODELS_DIR, got {step.directory}")
+    build_tiny_models(root)
+    return True
+
+
+def _run_download(
+    step: Step,
+    lock: ArtifactLock,
+    lock_path: Path | str,
+    endpoint: str | None,
+    recheck: bool,
+    say: Callable[[str], None],
+) -> bool:
+    from prepare.download import download_artifact, is_current
+
+    artifact = lock.get(step.artifact, lock_path)  # type: ignore[arg-type]
+    if is_current(step.directory, artifact) and (not recheck or _files_match(step.directory)):
+        return False
+    download_artifact(artifact, step.directory, endpoint=endpoint, lock_path=lock_path, recheck=recheck, say=say)
+    return True
+
+
+def _files_match(directory: Path) -> bool:
+    """Every file of ``directory`` hashes to what its manifest lists (``--recheck``)."""
+    from prepare.hashing import hash_files
+    from prepare.manifest import ManifestError, read_manifest
+
+    try:
+        manifest = read_manifest(directory)
+    except ManifestError:
+        return False
+    paths = {entry.path: directory / entry.path for entry in manifest.files}
+    try:
+        found = hash_files(paths.values())
+    except OSError:
+        return False
+    return all(found[paths[entry.path]] == entry.sha256 for entry in manifest.files)
+
+
+def _run_requantize(step: Step, recheck: bool, say: Callable[[str], None]) -> bool:
+    from prepare.requantize import requantize_checkpoint
+
+    force = recheck and step.directory.exists() and not _files_match(step.directory)
+    result = requantize_checkpoint(
+        step.inputs[0], step.directory, progress=True, allow_unmanifested_input=False, force=force
+    )
+    if result.up_to_date:
+        return False
+    say(f"{step.slot}: requantized {len(result.tensors)} tables into {step.directory} in {result.seconds:.1f} s")
+    return True
+
+
+def _derived_is_current(step: Step, profile: Profile, lock: ArtifactLock, lock_path: Path | str) -> bool:
+    """A transform's output whose identity verify accepts and whose files are all there."""
+    from entrypoint.verify import check_slot_identity
+    from prepare.manifest import ManifestError, content_files, read_manifest
+
+    slot = dict(_slots(profile))[step.slot]
+    try:
+        manifest = read_manifest(step.directory)
+    except ManifestError:
+        return False
+    if check_slot_identity(step.slot, slot, manifest, lock, step.directory / MANIFEST_NAME, lock_path):
+        return False
+    present = {p.relative_to(step.directory).as_posix(): p.stat().st_size for p in content_files(step.directory)}
+    return present == {f.path: f.size for f in manifest.files}
+
+
+def _run_adapter_build(step: Step, profile: Profile, lock: ArtifactLock, lock_path: Path | str, recheck: bool) -> bool:
+    from prepare.transforms import transform_module
+
+    if _derived_is_current(step, profile, lock, lock_path) and (not recheck or _files_match(step.directory)):
+        return False
+    base, directions_dir = step.inputs
+    files = lock.get(step.artifact, lock_path).require_pinned(lock_path)  # type: ignore[arg-type]
+    if len(files) != 1:
+        raise PrepareError(f"{lock_path}: artifact {step.artifact} pins {len(files)} files; adapter-build reads one")
+    adapter = transform_module("adapter-build")
+    adapter.build_adapter(base, directions_dir / files[0].path, step.directory, force=step.directory.exists())
+    return True
+
+
+def prepare_profile(
+    profile: Profile,
+    models_dir: Path,
+    *,
+    lock_path: Path | str = LOCK_PATH,
+    endpoint: str | None = None,
+    recheck: bool = False,
+    say: Callable[[str], None] = print,
+) -> list[Step]:
+    """Run every step the profile still needs; returns what was done (empty: nothing was needed).
+
+    ``recheck`` hashes the downloaded and derived directories already in place and fetches
+    or rebuilds those whose bytes differ from their manifest (the repair `qwen38 verify`
+    names); without it, a directory is trusted when its manifest and file sizes are right.
+    """
+    models_dir = Path(models_dir)
+    steps = plan_profile(profile, models_dir)
+    lock: ArtifactLock | None = None
+    if any(step.artifact is not None for step in steps):
+        lock = load_lock(lock_path)
+        check_plan(steps, lock, lock_path)
+    done: list[Step] = []
+    for step in steps:
+        if step.action == "tiny":
+            if any(d.action == "tiny" for d in done):
+                continue  # one run of the generator writes every tiny slot
+            ran = _run_tiny(step, models_dir)
+        elif step.action == "download":
+            ran = _run_download(step, lock, lock_path, endpoint, recheck, say)  # type: ignore[arg-type]
+        elif step.action == "requantize-int8":
+            ran = _run_requantize(step, recheck, say)
+        elif step.action == "adapter-build":
+            ran = _run_adapter_build(step, profile, lock, lock_path, recheck)  # type: ignore[arg-type]
+        else:  # check_plan refused it already; kept for a transform added to the registry only
+            raise PrepareError(f"{step.slot}: no preparation step {step.action!r} is wired into `prepare --profile`")
+        if ran:
+            done.append(step)
+    return done

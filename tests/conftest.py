@@ -1,0 +1,133 @@
+"""Shared fixtures: tiny models built once per session, and the real vLLM CPU server
+started from the `cpu` profile through `qwen38 serve` (once per session and variant)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+QWEN38 = [sys.executable, "-m", "entrypoint.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test process's environment without any of our knobs, plus ``extra``."""
+    from entrypoint.settings import Settings
+
+    knobs = {name.upper() for name in Settings.model_fields}
+    env = {k: v for k, v in os.environ.items() if k.upper() not in knobs}
+    env["PYTHONPATH"] = str(REPO)
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 300):
+    return subprocess.run(
+        [*QWEN38, *args], env=env or clean_env(), cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    """MODELS_DIR with the tiny models at tiny/{target,drafter,directions,adapter} (built once)."""
+    from prepare.tiny import build_tiny_models
+
+    root = tmp_path_factory.mktemp("models")
+    build_tiny_models(root / "tiny")
+    return root
+
+
+@pytest.fixture(scope="session")
+def api_key_file(tmp_path_factory) -> Path:
+    from entrypoint.keys import init_key_file
+
+    path = tmp_path_factory.mktemp("secrets") / "api_key"
+    init_key_file(path)
+    return path
+
+
+@dataclass
+class Server:
+    base_url: str
+    api_key: str
+    env: dict[str, str]
+    process: subprocess.Popen
+    log: Path
+    cache_dir: Path
+    seconds_to_ready: float
+
+    def status(self) -> dict:
+        return json.loads((self.cache_dir / "run" / "cpu.status.json").read_text())
+
+
+def start_cpu_server(tmp: Path, models: Path, key_file: Path, **settings: str) -> Server:
+    """`qwen38 serve --profile cpu` in its own process group; waits for the gate's verdict."""
+    port = free_port()
+    cache_dir = tmp / "cache"
+    env = clean_env(
+        MODELS_DIR=str(models), API_KEY_FILE=str(key_file), PORT=str(port), CACHE_DIR=str(cache_dir),
+        READY_TIMEOUT="600", **settings,
+    )
+    log = tmp / "serve.log"
+    start = time.monotonic()
+    with open(log, "w") as handle:
+        process = subprocess.Popen(
+            [*QWEN38, "serve", "--profile", "cpu"], env=env, cwd=tmp, stdout=handle, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    status_file = cache_dir / "run" / "cpu.status.json"
+    while not status_file.exists():
+        if process.poll() is not None or time.monotonic() - start > 600:
+            raise RuntimeError(f"cpu server did not pass its gate; log:\n{log.read_text()[-4000:]}")
+        time.sleep(1)
+    status = json.loads(status_file.read_text())
+    if not status["ready"]:
+        raise RuntimeError(f"readiness gate failed: {status['error']}\n{log.read_text()[-4000:]}")
+    return Server(
+        base_url=f"http://127.0.0.1:{port}", api_key=key_file.read_text().strip(), env=env, process=process,
+        log=log, cache_dir=cache_dir, seconds_to_ready=time.monotonic() - start,
+    )
+
+
+def stop_server(server: Server) -> None:
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            server.process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def cpu_server(tmp_path_factory, tiny_root, api_key_file) -> Iterator[Server]:
+    """The `cpu` profile as users run it: LoRA second id, prefix caching, API key."""
+    server = start_cpu_server(tmp_path_factory.mktemp("cpu-server"), tiny_root, api_key_file)
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def cpu_spec_server(tmp_path_factory, tiny_root, api_key_file) -> Iterator[Server]:
+    """The `cpu` profile with the DFlash drafter on (and prefix caching off, see cpu.toml)."""
+    server = start_cpu_server(
+        tmp_path_factory.mktemp("cpu-spec-server"), tiny_root, api_key_file, SPECULATION="true", PREFIX_CACHING="false"
+    )
+    yield server
+    stop_server(server)

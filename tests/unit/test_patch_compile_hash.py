@@ -1,0 +1,48 @@
+"""Patch 0060: the compile-cache key (VllmConfig.compute_hash) changes with the
+DFlash speculative depth on the patched tree, and does not on stock 0.28.0."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.vllm_views import REPO_ROOT, last_json_line, run_python, vllm_views  # noqa: F401
+
+pytestmark = pytest.mark.slow  # starts vLLM in a child process
+
+CONFIGS = REPO_ROOT / "profiles" / "model-configs"
+
+CHECK = rf"""
+import json
+from entrypoint.kv_capacity import _emulate_cuda
+from entrypoint.plan import _shape_only_copy
+from pathlib import Path
+import tempfile
+
+# DFlash2 forces the V2 runner, which validates Triton: plan as on a CUDA build.
+_emulate_cuda(True)
+from vllm.engine.arg_utils import EngineArgs
+
+work = Path(tempfile.mkdtemp())
+target = _shape_only_copy(Path({str(CONFIGS / "qwen3.8-27b-w4a16" / "config.json")!r}), work / "t")
+drafter = _shape_only_copy(Path({str(CONFIGS / "qwen3.8-27b-dflash2" / "config.json")!r}), work / "d")
+hashes = {{}}
+for depth in (7, 7, 9):
+    config = EngineArgs(
+        model=target, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+        kv_cache_memory_bytes=1 << 30,
+        speculative_config={{"method": "dflash", "model": drafter, "num_speculative_tokens": depth}},
+    ).create_engine_config()
+    hashes.setdefault(str(depth), []).append(config.compute_hash())
+print(json.dumps({{"7": hashes["7"], "9": hashes["9"]}}))
+"""
+
+
+def test_patched_compile_hash_differs_between_depths(vllm_views):
+    result = last_json_line(run_python(CHECK, vllm_views["patched"], vllm_views["pycache"], timeout=900))
+    assert result["7"][0] == result["7"][1], "the hash must be stable for one depth"
+    assert result["9"][0] != result["7"][0]
+
+
+def test_stock_compile_hash_ignores_the_depth(vllm_views):
+    result = last_json_line(run_python(CHECK, vllm_views["stock"], vllm_views["pycache"], timeout=900))
+    assert result["9"][0] == result["7"][0]

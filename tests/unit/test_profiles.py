@@ -1,0 +1,95 @@
+"""Profiles: declarative, typed, and every mistake is one line naming the file."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from entrypoint.errors import ProfileError
+from entrypoint.profiles import PROFILES_DIR, load_profile, profile_names
+
+EXPECTED = {"cpu", "single", "long", "spark-lora"}
+
+
+def test_every_profile_of_the_design_exists_and_loads():
+    assert set(profile_names()) == EXPECTED
+    for name in EXPECTED:
+        profile = load_profile(name)
+        assert profile.served.base == "qwen3.8-27b"
+
+
+def test_lora_profiles_serve_the_adapter_as_a_second_id():
+    for name in ("cpu", "spark-lora"):
+        assert load_profile(name).model_ids == ["qwen3.8-27b", "qwen3.8-27b-mode-b"]
+    assert load_profile("single").model_ids == ["qwen3.8-27b"]
+
+
+def test_gpu_profiles_carry_the_figures_of_the_design():
+    single, long, spark = load_profile("single"), load_profile("long"), load_profile("spark-lora")
+    assert (single.engine.max_model_len, single.engine.max_num_seqs) == (65536, 8)
+    assert single.engine.kv_cache_memory_bytes == 5_583_457_484 and single.engine.enable_prefix_caching
+    assert (long.engine.max_model_len, long.engine.max_num_seqs, long.engine.kv_cache_dtype) == (
+        131072, 4, "int8_per_token_head")
+    assert spark.engine.kv_cache_memory_bytes == 16 << 30 and spark.engine.kv_cache_dtype.startswith("fp8")
+    assert spark.speculative.num_speculative_tokens == 7 and spark.speculative.draft_sample_method == "probabilistic"
+    assert spark.engine.enable_flashinfer_autotune is False
+    assert all(p.require_patches for p in (single, long, spark))
+
+
+@pytest.fixture
+def profiles_copy(tmp_path) -> Path:
+    for path in PROFILES_DIR.glob("*.toml"):
+        shutil.copy(path, tmp_path)
+    return tmp_path
+
+
+def _edit(directory: Path, name: str, old: str, new: str) -> None:
+    path = directory / f"{name}.toml"
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("max_num_seqs = 4", "max_num_seqs = 4\nmax_num_sequences = 4", r"engine\.max_num_sequences: Extra inputs"),
+        ("max_num_seqs = 4", "max_num_seqs = 0", r"engine\.max_num_seqs: Input should be greater than or equal to 1"),
+        ('dir = "tiny/target"', 'dir = "../outside"', "dir must be a relative path inside MODELS_DIR"),
+        ('adapter = "qwen3.8-27b-mode-b"', 'adapter = "qwen3.8-27b"', "the adapter id must differ"),
+        ("[lora]\nmax_lora_rank = 1\nmax_loras = 1\n", "", "`models.adapter`, `served.adapter` and `lora` go together"),
+        ('kv_cache_dtype', 'kv_cache_dtype', None),
+    ],
+)
+def test_a_bad_profile_is_one_line_naming_the_file(profiles_copy, old, new, message):
+    if message is None:  # the cpu profile has no kv_cache_dtype line: add a wrong one instead
+        _edit(profiles_copy, "cpu", "max_num_seqs = 4", 'max_num_seqs = 4\nkv_cache_dtype = "int3"')
+        message = r"engine\.kv_cache_dtype: Input should be"
+    else:
+        _edit(profiles_copy, "cpu", old, new)
+    with pytest.raises(ProfileError, match=message) as info:
+        load_profile("cpu", profiles_copy)
+    assert str(profiles_copy / "cpu.toml") in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_extra_engine_arguments_may_not_repeat_a_typed_one(profiles_copy):
+    _edit(profiles_copy, "cpu", "[speculative]", "extra = { max-model-len = 8 }\n\n[speculative]")
+    with pytest.raises(ProfileError, match="engine.extra.max-model-len repeats the typed field"):
+        load_profile("cpu", profiles_copy)
+
+
+def test_a_drafter_needs_a_drafting_method(profiles_copy):
+    _edit(profiles_copy, "single", 'method = "dflash"', 'method = "ngram"')
+    with pytest.raises(ProfileError, match="go together"):
+        load_profile("single", profiles_copy)
+
+
+def test_invalid_toml_and_unknown_profile(profiles_copy):
+    (profiles_copy / "broken.toml").write_text("engine = [\n")
+    with pytest.raises(ProfileError, match="not valid TOML"):
+        load_profile("broken", profiles_copy)
+    with pytest.raises(ProfileError, match="unknown profile 'nope'.*known profiles: broken, cpu"):
+        load_profile("nope", profiles_copy)

@@ -1,0 +1,141 @@
+"""Settings: one definition per knob, one clear line per bad value, never a secret."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from entrypoint.errors import SettingsError
+from entrypoint.settings import (
+    Settings,
+    load_settings,
+    masked,
+    read_api_key,
+    render_env_example,
+    render_settings_table,
+)
+from tests.conftest import REPO, clean_env, run_cli
+
+KEY = "k" * 24
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch, tmp_path):
+    """No knob from the developer's shell or .env leaks into these tests."""
+    for name in Settings.model_fields:
+        monkeypatch.delenv(name.upper(), raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+def test_defaults_are_the_documented_ones():
+    s = load_settings(env_file=None)
+    assert (s.profile, s.host, s.port) == ("cpu", "127.0.0.1", 18020)
+    assert s.cuda_visible_devices == "0"
+    assert s.max_model_len is None and s.speculation is None
+
+
+def test_environment_and_dotenv_are_read_and_environment_wins(monkeypatch, tmp_path):
+    (tmp_path / ".env").write_text("PORT=18555\nMAX_NUM_SEQS=3\n")
+    monkeypatch.setenv("PORT", "18666")
+    s = load_settings()
+    assert s.port == 18666 and s.max_num_seqs == 3
+
+
+def test_unknown_key_in_dotenv_is_named_with_a_suggestion(tmp_path):
+    (tmp_path / ".env").write_text("MAX_MODEL_LENGTH=4096\n")
+    with pytest.raises(SettingsError, match=r"unknown setting MAX_MODEL_LENGTH in \.env; did you mean MAX_MODEL_LEN\?"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("PORT", "70000", r"PORT=\"70000\": Input should be less than or equal to 65535"),
+        ("MAX_MODEL_LEN", "0", r"MAX_MODEL_LEN=\"0\": Input should be greater than or equal to 256"),
+        ("SPECULATION", "maybe", r"SPECULATION=\"maybe\": Input should be a valid boolean"),
+        ("PROFILE", "fast", r"PROFILE=fast: no profile 'fast' in \S+; known profiles: cpu, long, single, spark-lora"),
+        ("CUDA_VISIBLE_DEVICES", "all", r"CUDA_VISIBLE_DEVICES=\"all\": String should match pattern"),
+        ("LOG_LEVEL", "verbose", r"LOG_LEVEL=\"verbose\": Input should be"),
+    ],
+)
+def test_bad_values_fail_with_one_line_naming_the_knob(monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError, match=message) as info:
+        load_settings(env_file=None)
+    assert "\n" not in str(info.value)
+
+
+def test_empty_value_means_unset_not_zero(monkeypatch):
+    monkeypatch.setenv("MAX_MODEL_LEN", "")
+    assert load_settings(env_file=None).max_model_len is None
+
+
+def test_listening_beyond_loopback_needs_a_key(monkeypatch):
+    monkeypatch.setenv("HOST", "0.0.0.0")
+    with pytest.raises(SettingsError, match="HOST=0.0.0.0 would expose the API without a key"):
+        load_settings(env_file=None)
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    assert load_settings(env_file=None).host == "0.0.0.0"
+
+
+def test_two_key_sources_conflict(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    monkeypatch.setenv("API_KEY_FILE", str(tmp_path / "k"))
+    with pytest.raises(SettingsError, match="VLLM_API_KEY and API_KEY_FILE are both set"):
+        load_settings(env_file=None)
+
+
+def test_api_key_file_is_read_and_checked(monkeypatch, tmp_path):
+    path = tmp_path / "key"
+    monkeypatch.setenv("API_KEY_FILE", str(path))
+    with pytest.raises(SettingsError, match=f"API_KEY_FILE={path}: no such file"):
+        read_api_key(load_settings(env_file=None))
+    path.write_text("short\n")
+    with pytest.raises(SettingsError, match="at least 16 characters") as info:
+        read_api_key(load_settings(env_file=None))
+    assert "short" not in str(info.value)
+    path.write_text(KEY + "\n")
+    assert read_api_key(load_settings(env_file=None)).get_secret_value() == KEY
+
+
+def test_the_key_is_never_shown(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    s = load_settings(env_file=None)
+    assert KEY not in repr(s) and KEY not in str(masked(s))
+    result = run_cli("settings", "show", env=clean_env(VLLM_API_KEY=KEY))
+    assert result.returncode == 0 and KEY not in result.stdout and "********" in result.stdout
+
+
+def test_env_example_is_generated_from_the_settings_and_has_not_drifted():
+    committed = (REPO / ".env.example").read_text()
+    assert committed == render_env_example(), "regenerate with `make env-example`"
+    for name in Settings.model_fields:
+        assert f"\n{name.upper()}=" in committed
+
+
+def test_readme_tables_are_generated_and_have_not_drifted():
+    from entrypoint.generated_docs import render_readme
+
+    readme = (REPO / "README.md").read_text()
+    assert readme == render_readme(readme), "regenerate with `qwen38 docs`"
+    assert render_settings_table() in readme
+
+
+def test_bad_setting_on_the_cli_is_one_line_and_no_traceback():
+    result = run_cli("render", "--profile", "cpu", env=clean_env(PORT="http"))
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith("qwen38: settings: PORT=")
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_profile_on_the_cli_lists_the_known_ones():
+    result = run_cli("render", "--profile", "turbo")
+    assert result.returncode == 2
+    assert "no profile 'turbo'" in result.stderr and "spark-lora" in result.stderr
+
+
+def test_paths_are_paths(monkeypatch):
+    monkeypatch.setenv("MODELS_DIR", "/srv/models")
+    assert load_settings(env_file=None).models_dir == Path("/srv/models")
