@@ -37,11 +37,16 @@ MIN_API_KEY_LENGTH = 16
 IMAGE_REFERENCE = r"^[a-z0-9]+([._/:-][a-z0-9]+)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$"
 
 
-def _knob(default: Any, section: str, description: str, example: str | None = None, **kw: Any):
-    """A settings field with its documentation; `example` is the value shown in .env.example."""
+def _knob(
+    default: Any, section: str, description: str, example: str | None = None, shown: str | None = None, **kw: Any
+):
+    """A settings field with its documentation; `example` is the value shown in .env.example,
+    `shown` the default the README shows where the real one depends on the machine."""
     extra = {"section": section}
     if example is not None:
         extra["example"] = example
+    if shown is not None:
+        extra["shown"] = shown
     return Field(default, description=description, json_schema_extra=extra, **kw)
 
 
@@ -82,7 +87,7 @@ class Settings(BaseSettings):
     models_dir: Path = _knob(Path("models"), "paths", "Root of downloaded, prepared and generated models.")
     profiles_dir: Path = _knob(
         PROFILES_DIR, "paths", "Directory of profile files (the repository's profiles/ unless you keep your own).",
-        example="",
+        example="", shown="profiles/ of the checkout",
     )
     cache_dir: Path = _knob(
         Path(".cache/qwen38"),
@@ -314,7 +319,8 @@ def render_settings_table() -> str:
     """A Markdown table of every setting, generated from the field definitions."""
     rows = ["| Setting | Default | What it does |", "|---|---|---|"]
     for name, info in Settings.model_fields.items():
-        default = "" if info.default is None else f"`{info.default}`"
+        shown = (info.json_schema_extra or {}).get("shown")
+        default = shown or ("" if info.default is None else f"`{info.default}`")
         rows.append(f"| `{_env_name(name)}` | {default} | {info.description} |")
     return "\n".join(rows) + "\n"
 

@@ -35,8 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from entrypoint.errors import ArtifactError
 from prepare.atomic import atomic_write_text
-from prepare.identity import ARTIFACT_KEY_RE, COMMIT_RE, SHA256_RE, ArtifactIdentity
-from prepare.manifest import Manifest, ManifestFile, build_manifest, check_relative_path
+from prepare.identity import ARTIFACT_KEY_RE, COMMIT_RE, ArtifactIdentity
+from prepare.manifest import Manifest, ManifestFile, build_manifest
 
 LOCK_PATH = Path(__file__).resolve().parent.parent / "profiles" / "artifacts.lock.toml"
 LOCK_VERSION = 1
@@ -50,24 +50,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class LockedFile(_Strict):
-    """One file of a pinned artifact: its path in the repo, size and sha256."""
-
-    path: str
-    size: int = Field(ge=0)
-    sha256: str
-
-    @field_validator("path")
-    @classmethod
-    def _path(cls, value: str) -> str:
-        return check_relative_path(value)
-
-    @field_validator("sha256")
-    @classmethod
-    def _hex(cls, value: str) -> str:
-        if not SHA256_RE.fullmatch(value):
-            raise ValueError(f"sha256 must be 64 lowercase hex characters, got {value!r}")
-        return value
+class LockedFile(ManifestFile):
+    """One file of a pinned artifact: its path in the repo, size and sha256 (the fields
+    and checks of a manifest entry, which is what verification compares it with)."""
 
 
 class LockedArtifact(_Strict):

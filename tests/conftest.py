@@ -20,6 +20,32 @@ REPO = Path(__file__).resolve().parent.parent
 QWEN38 = [sys.executable, "-m", "entrypoint.cli"]
 
 
+def _triton_core_for_the_interpreter() -> None:
+    """Where no GPU is present, import Triton's core language under its interpreter first.
+
+    The split-KV kernel tests run under Triton's interpreter, which works only if
+    `triton.language` (whose `tl.zeros` & co. are themselves `@triton.jit` functions) was
+    first imported with TRITON_INTERPRET=1; later in a session vLLM imports Triton plainly.
+    Only the core library is affected: kernels decorated later (vLLM's) stay compiled ones.
+    """
+    if Path("/dev/nvidia0").exists() or "triton" in sys.modules:
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_triton_core_for_the_interpreter()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -32,7 +58,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 
     knobs = {name.upper() for name in Settings.model_fields}
     env = {k: v for k, v in os.environ.items() if k.upper() not in knobs}
-    env["PYTHONPATH"] = str(REPO)
+    # The checkout first; a PYTHONPATH that brings vLLM (the GPU machine's payload) stays.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     env.update(extra)
     return env
 
@@ -72,37 +99,71 @@ class Server:
     cache_dir: Path
     seconds_to_ready: float
 
+    profile: str = "cpu"
+    started: float = 0.0  # time.monotonic() at launch
+
     def status(self) -> dict:
-        return json.loads((self.cache_dir / "run" / "cpu.status.json").read_text())
+        return json.loads((self.cache_dir / "run" / f"{self.profile}.status.json").read_text())
 
 
-def start_cpu_server(tmp: Path, models: Path, key_file: Path, **settings: str) -> Server:
-    """`qwen38 serve --profile cpu` in its own process group; waits for the gate's verdict."""
+def launch_server(tmp: Path, models: Path, key_file: Path, profile: str = "cpu", **settings: str) -> Server:
+    """`qwen38 serve --profile P` in its own process group; returns at once (see `wait_ready`)."""
     port = free_port()
     cache_dir = tmp / "cache"
     env = clean_env(
         MODELS_DIR=str(models), API_KEY_FILE=str(key_file), PORT=str(port), CACHE_DIR=str(cache_dir),
-        READY_TIMEOUT="600", **settings,
+        **{"READY_TIMEOUT": "600", **settings},
     )
     log = tmp / "serve.log"
-    start = time.monotonic()
     with open(log, "w") as handle:
         process = subprocess.Popen(
-            [*QWEN38, "serve", "--profile", "cpu"], env=env, cwd=tmp, stdout=handle, stderr=subprocess.STDOUT,
+            [*QWEN38, "serve", "--profile", profile], env=env, cwd=tmp, stdout=handle, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    status_file = cache_dir / "run" / "cpu.status.json"
+    return Server(
+        base_url=f"http://127.0.0.1:{port}", api_key=key_file.read_text().strip(), env=env, process=process,
+        log=log, cache_dir=cache_dir, seconds_to_ready=0.0, profile=profile, started=time.monotonic(),
+    )
+
+
+def wait_ready(server: Server, timeout: float = 600) -> Server:
+    """Waits for the readiness gate's verdict (the status file); raises with the log tail."""
+    start = server.started
+    status_file = server.cache_dir / "run" / f"{server.profile}.status.json"
     while not status_file.exists():
-        if process.poll() is not None or time.monotonic() - start > 600:
-            raise RuntimeError(f"cpu server did not pass its gate; log:\n{log.read_text()[-4000:]}")
+        if server.process.poll() is not None or time.monotonic() - start > timeout:
+            stop_server(server)
+            raise RuntimeError(f"{server.profile} server did not pass its gate; log:\n{server.log.read_text()[-4000:]}")
         time.sleep(1)
     status = json.loads(status_file.read_text())
     if not status["ready"]:
-        raise RuntimeError(f"readiness gate failed: {status['error']}\n{log.read_text()[-4000:]}")
-    return Server(
-        base_url=f"http://127.0.0.1:{port}", api_key=key_file.read_text().strip(), env=env, process=process,
-        log=log, cache_dir=cache_dir, seconds_to_ready=time.monotonic() - start,
-    )
+        stop_server(server)
+        raise RuntimeError(f"readiness gate failed: {status['error']}\n{server.log.read_text()[-4000:]}")
+    server.seconds_to_ready = time.monotonic() - start
+    return server
+
+
+def start_cpu_server(tmp: Path, models: Path, key_file: Path, **settings: str) -> Server:
+    """`qwen38 serve --profile cpu` in its own process group; waits for the gate's verdict."""
+    return wait_ready(launch_server(tmp, models, key_file, "cpu", **settings))
+
+
+SPEC_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
+}
+
+
+def spec_decode_delta(server: Server, body: dict) -> dict[str, float]:
+    """vLLM's speculative-decoding counters moved by one /v1/completions request."""
+    from entrypoint.client import StackClient
+
+    with StackClient(server.base_url, server.api_key) as client:
+        before = client.metrics()
+        client.post_json("/v1/completions", body)
+        after = client.metrics()
+    return {key: after.total(name) - before.total(name) for key, name in SPEC_COUNTERS.items()}
 
 
 def stop_server(server: Server) -> None:

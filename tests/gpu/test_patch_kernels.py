@@ -92,7 +92,9 @@ with set_current_vllm_config(config), torch.device("cuda"):
             "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP}}},
         "ignore": [],
     })
-    gptq = AutoGPTQConfig.from_config({"bits": 4, "group_size": GROUP, "desc_act": False, "sym": True, "lm_head": False})
+    # modules_in_block_to_quantize: without it (or a checkpoint to read it from) AutoGPTQ leaves every layer unquantized.
+    gptq = AutoGPTQConfig.from_config({"bits": 4, "group_size": GROUP, "desc_act": False, "sym": True, "lm_head": False,
+                                       "modules_in_block_to_quantize": [["self_attn.qkv_proj"]]})
     for name, quant in (("compressed-tensors", ct), ("gptq", gptq)):
         layer = QKVParallelLinear(HIDDEN, HEAD, NQ, NKV, bias=False, quant_config=quant, prefix="layers.0.self_attn.qkv_proj")
         q, scale = quantized_weight()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from entrypoint.client import StackClient
-from tests.conftest import clean_env, run_cli
+from tests.conftest import clean_env, run_cli, spec_decode_delta
 
 pytestmark = pytest.mark.integration
 
@@ -30,15 +30,10 @@ def _greedy(server, model: str) -> list[str]:
 
 
 def test_drafts_are_proposed_and_verified(cpu_spec_server):
-    with StackClient(cpu_spec_server.base_url, cpu_spec_server.api_key) as client:
-        before = client.metrics()
-        client.post_json("/v1/completions", {"model": "qwen3.8-27b", "prompt": PROMPTS[1], "max_tokens": 16,
-                                             "temperature": 0})
-        after = client.metrics()
-    drafts = after.total("vllm:spec_decode_num_drafts_total") - before.total("vllm:spec_decode_num_drafts_total")
-    tokens = after.total("vllm:spec_decode_num_draft_tokens_total") - before.total(
-        "vllm:spec_decode_num_draft_tokens_total")
-    assert drafts > 0 and tokens == 4 * drafts  # K=4 in the cpu profile
+    moved = spec_decode_delta(
+        cpu_spec_server, {"model": "qwen3.8-27b", "prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0}
+    )
+    assert moved["drafts"] > 0 and moved["draft_tokens"] == 4 * moved["drafts"]  # K=4 in the cpu profile
 
 
 def test_speculation_is_lossless(cpu_server, cpu_spec_server):

@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from prepare.int8_pack import dequantize_rows
 from prepare.requantize import requantize_checkpoint
 from tests import tiny_qwen35
+from tests.support.vllm_views import child_pythonpath
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +39,7 @@ PROBE = Path(__file__).with_name("vllm_offline_probe.py")
 
 
 def run_probe(model: Path, *flags: str, expect_ok: bool = True) -> dict | subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(
         [sys.executable, str(PROBE), str(model), *flags], capture_output=True, text=True, env=env, timeout=600
     )

@@ -78,9 +78,12 @@ def modelopt_nvfp4_reference(stored: dict[str, torch.Tensor]) -> torch.Tensor:
         dequantize_to_dtype,
     )
 
+    # On a CUDA machine vLLM dequantizes with a Triton kernel: the tensors must be on the GPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     return dequantize_to_dtype(
-        stored["weight"], stored["weight_scale"], stored["weight_scale_2"], torch.float32, 16, swizzle=False
-    )
+        stored["weight"].to(device), stored["weight_scale"].to(device), stored["weight_scale_2"].to(device),
+        torch.float32, 16, swizzle=False,
+    ).cpu()
 
 
 def fp8_per_tensor(w: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TORCHVISION_STANDIN = Path(__file__).resolve().parent / "torchvision_standin"
+TORCHVISION_STANDIN = REPO_ROOT / "docker" / "cpu" / "torchvision-standin"  # the one the CPU setup installs
 
 
 def needs_torchvision_standin() -> bool:
