@@ -229,9 +229,18 @@ def build_request(profile: Profile, settings: Any | None, workdir: Path) -> tupl
     speculation = getattr(settings, "speculation", None) if settings is not None else None
     spec = profile.speculative
     if spec is not None and speculation is not False:
+        # Lookup drafting widens the verify block: every slot keeps state and KV for
+        # drafter depth + lookup tokens. The KV arithmetic needs only the total width,
+        # so stock and patched trees plan the same request.
+        try:
+            lookup_tokens = spec.lookup_tokens(
+                getattr(settings, "lookup", None), getattr(settings, "verify_block", None)
+            )
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
         speculative: dict[str, Any] = {
             "method": spec.method,
-            "num_speculative_tokens": spec.num_speculative_tokens,
+            "num_speculative_tokens": spec.num_speculative_tokens + lookup_tokens,
         }
         if spec.draft_sample_method:
             speculative["draft_sample_method"] = spec.draft_sample_method
@@ -371,7 +380,10 @@ def plan_cache_key(profile: Profile, settings: Any) -> str:
             configs[name] = source.read_text() if source is not None else None
     overrides = {
         k: getattr(settings, k, None)
-        for k in ("max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "prefix_caching", "speculation")
+        for k in (
+            "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "prefix_caching", "speculation", "lookup",
+            "verify_block",
+        )
     }
     return digest_of(
         {

@@ -129,3 +129,16 @@ def test_cli_refuses_a_context_that_does_not_fit(tmp_path):
     plan = json.loads(done.stdout[done.stdout.index("{") :])
     assert plan["fits"] is False and plan["patched"] is True and list(plan["variants"]) == ["patched"]
     assert "262,144-token request does not fit" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_lookup_widens_the_speculative_width_the_planner_reserves(tmp_path):
+    """Each slot keeps state/KV for every verify position: drafter depth + lookup tokens."""
+    single = load_profile("single")
+    off, _ = build_request(single, SimpleNamespace(models_dir=tmp_path, speculation=None), tmp_path / "a")
+    on, _ = build_request(single, SimpleNamespace(models_dir=tmp_path, speculation=None, lookup=True,
+                                                  verify_block=16), tmp_path / "b")
+    assert off["speculative"]["num_speculative_tokens"] == 7
+    assert on["speculative"]["num_speculative_tokens"] == 15
+    assert "lookup_tokens" not in on["speculative"]  # stock trees plan the same width
+    with pytest.raises(PlanError, match="VERIFY_BLOCK=8"):
+        build_request(single, SimpleNamespace(models_dir=tmp_path, lookup=True, verify_block=8), tmp_path / "c")
