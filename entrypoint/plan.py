@@ -215,6 +215,11 @@ def _shape_only_copy(source: Path, dest: Path) -> str:
     return str(dest)
 
 
+def _is_dflash2(config_json: Path) -> bool:
+    config = json.loads(config_json.read_text(encoding="utf-8"))
+    return "DFlash2DraftModel" in (config.get("architectures") or [])
+
+
 def build_request(profile: Profile, settings: Any | None, workdir: Path) -> tuple[dict, dict[str, str]]:
     models_dir = Path(getattr(settings, "models_dir", None) or "models")
     sources = {"target": str(config_source(profile.models.target, models_dir))}
@@ -247,6 +252,12 @@ def build_request(profile: Profile, settings: Any | None, workdir: Path) -> tupl
         if spec.uses_drafter and profile.models.drafter is not None:
             sources["drafter"] = str(config_source(profile.models.drafter, models_dir))
             speculative["model"] = _shape_only_copy(Path(sources["drafter"]), workdir / "drafter")
+            if lookup_tokens and _is_dflash2(Path(sources["drafter"])):
+                raise PlanError(
+                    f"LOOKUP=true: profile {profile.name}'s drafter ({profile.models.drafter.dir}) is a "
+                    f"DFlash2DraftModel, which runs on vLLM's V2 model runner; patch 0070 implements lookup "
+                    "drafting in the V1 runner's DFlash proposer only; set LOOKUP=false"
+                )
         request["speculative"] = speculative
     return request, sources
 
