@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from entrypoint.patches import content_at, load_series, state_hashes
+from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
 
 LOOKUP_PATH = "v1/spec_decode/lookup.py"
 
@@ -110,3 +111,37 @@ def test_block_never_changes_length_or_touches_a_full_drafter_block(lookup):
     drafts = ids(-1, -1, -1)
     assert lookup.fill_lookup_drafts(history, drafts, 3).tolist() == [-1, -1, -1]  # match < max
     assert lookup.fill_lookup_drafts(history, ids(), 0).tolist() == []
+
+
+FILL_CHECK = r"""
+import json, types
+import numpy as np, torch
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+probs = torch.full((2, 4, 10), 0.1)
+proposer = types.SimpleNamespace(num_drafter_tokens=2, _last_draft_probs=probs)
+tokens = np.zeros((2, 16), dtype=np.int32)
+tokens[0, :6] = [1, 2, 3, 4, 5, 6]
+tokens[1, :3] = [9, 8, 7]
+batch = types.SimpleNamespace(num_tokens_no_spec=np.array([6, 3]), token_ids_cpu=tokens)
+drafts = torch.tensor([[3, 4, 0, 0], [7, 7, 7, 7]], dtype=torch.int32)
+# This step accepted "1 2" for request 0 (the rest rejected: -1) and "6" for request 1.
+sampled = torch.tensor([[1, 2, -1], [6, -1, -1]])
+out = DFlashProposer.fill_lookup_tokens(proposer, drafts, sampled, batch)
+print(json.dumps({
+    "drafts": out.tolist(), "dtype": str(out.dtype), "untouched_input": drafts.tolist(),
+    "one_hot": [probs[0, 2].tolist(), probs[0, 3].tolist()],
+    "kept": bool(torch.all(probs[0, :2] == 0.1)) and bool(torch.all(probs[1] == 0.1)),
+}))
+"""
+
+
+def test_proposer_fills_lookup_positions_and_makes_their_draft_probs_point_masses(vllm_views):
+    """The V1 DFlash proposer's hook: history = committed + this step's accepted tokens."""
+    result = last_json_line(run_python(FILL_CHECK, vllm_views["patched"], vllm_views["pycache"]))
+    # Request 0: "1 2 3 4" (history + drafter) recurs, so lookup continues with 5 6.
+    assert result["drafts"] == [[3, 4, 5, 6], [7, 7, 7, 7]]
+    assert result["dtype"] == "torch.int32"
+    assert result["untouched_input"] == [[3, 4, 0, 0], [7, 7, 7, 7]]
+    assert result["one_hot"] == [[0, 0, 0, 0, 0, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 1, 0, 0, 0]]
+    assert result["kept"]  # the drafter's positions and unchanged requests keep their probabilities
