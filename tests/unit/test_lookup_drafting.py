@@ -113,6 +113,16 @@ def test_block_never_changes_length_or_touches_a_full_drafter_block(lookup):
     assert lookup.fill_lookup_drafts(history, ids(), 0).tolist() == []
 
 
+def test_placeholder_tokens_in_the_history_are_never_proposed(lookup):
+    # An asynchronous scheduler leaves -1 where a sampled token is not written back yet.
+    # "1 2 3" recurs and was followed by a placeholder: the drafter's token stays there.
+    history = ids(1, 2, 3, -1, 9, 1, 2)
+    assert lookup.fill_lookup_drafts(history, ids(3, 70, 71, 72), 1).tolist() == [3, 70, 9, 1]
+    # A verbatim copy of placeholders never leads the block.
+    drafts = ids(40, 41, 42, 43)
+    assert lookup.fill_lookup_drafts(np.array([-1] * 12), drafts, 1).tolist() == drafts.tolist()
+
+
 FILL_CHECK = r"""
 import json, types
 import numpy as np, torch
