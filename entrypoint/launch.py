@@ -71,6 +71,7 @@ class Resolved:
     prefix_caching: bool
     speculation: bool
     enable_thinking: bool | None
+    lookup_tokens: int = 0  # verify positions past the drafter's filled by lookup drafting
 
 
 def resolve(profile: Profile, settings: Settings) -> Resolved:
@@ -80,6 +81,18 @@ def resolve(profile: Profile, settings: Settings) -> Resolved:
     speculation = settings.speculation if settings.speculation is not None else bool(spec and spec.enabled)
     if speculation and spec is None:
         raise SettingsError(f"SPECULATION=true: profile {profile.name} has no speculative decoding configured")
+    lookup_tokens = 0
+    if speculation:
+        try:
+            lookup_tokens = spec.lookup_tokens(settings.lookup, settings.verify_block)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+    elif settings.lookup or settings.verify_block is not None:
+        knob = "LOOKUP=true" if settings.lookup else f"VERIFY_BLOCK={settings.verify_block}"
+        raise SettingsError(
+            f"{knob}: lookup drafting extends speculative decoding, which is off for profile {profile.name}; "
+            "set SPECULATION=true"
+        )
     prefix_caching = settings.prefix_caching if settings.prefix_caching is not None else engine.enable_prefix_caching
     if profile.platform == "cpu" and speculation and prefix_caching:
         raise SettingsError(
@@ -94,6 +107,7 @@ def resolve(profile: Profile, settings: Settings) -> Resolved:
         prefix_caching=prefix_caching,
         speculation=speculation,
         enable_thinking=settings.enable_thinking,
+        lookup_tokens=lookup_tokens,
     )
 
 
@@ -121,7 +135,7 @@ def compile_cache_key(profile: Profile, resolved: Resolved) -> str:
         "profile": profile.name,
         "speculation": resolved.speculation,
         "method": spec.method if (spec and resolved.speculation) else None,
-        "depth": spec.num_speculative_tokens if (spec and resolved.speculation) else 0,
+        "depth": spec.num_speculative_tokens + resolved.lookup_tokens if (spec and resolved.speculation) else 0,
         "draft_sample_method": spec.draft_sample_method if (spec and resolved.speculation) else None,
         "lora": profile.lora is not None,
         "kv_cache_dtype": profile.engine.kv_cache_dtype,
@@ -180,7 +194,14 @@ def _engine_config(profile: Profile, settings: Settings, resolved: Resolved) -> 
 
     if resolved.speculation and profile.speculative is not None:
         spec = profile.speculative
-        spec_config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
+        # Lookup drafting (patch 0070) widens the verify block: vLLM verifies
+        # num_speculative_tokens drafts, the last lookup_tokens of them from lookup.
+        spec_config: dict[str, Any] = {
+            "method": spec.method,
+            "num_speculative_tokens": spec.num_speculative_tokens + resolved.lookup_tokens,
+        }
+        if resolved.lookup_tokens:
+            spec_config["lookup_tokens"] = resolved.lookup_tokens
         if profile.models.drafter is not None:
             spec_config["model"] = str(model_dir(settings, profile.models.drafter.dir))
         if spec.draft_sample_method is not None:

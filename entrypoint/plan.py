@@ -215,6 +215,11 @@ def _shape_only_copy(source: Path, dest: Path) -> str:
     return str(dest)
 
 
+def _is_dflash2(config_json: Path) -> bool:
+    config = json.loads(config_json.read_text(encoding="utf-8"))
+    return "DFlash2DraftModel" in (config.get("architectures") or [])
+
+
 def build_request(profile: Profile, settings: Any | None, workdir: Path) -> tuple[dict, dict[str, str]]:
     models_dir = Path(getattr(settings, "models_dir", None) or "models")
     sources = {"target": str(config_source(profile.models.target, models_dir))}
@@ -229,15 +234,30 @@ def build_request(profile: Profile, settings: Any | None, workdir: Path) -> tupl
     speculation = getattr(settings, "speculation", None) if settings is not None else None
     spec = profile.speculative
     if spec is not None and speculation is not False:
+        # Lookup drafting widens the verify block: every slot keeps state and KV for
+        # drafter depth + lookup tokens. The KV arithmetic needs only the total width,
+        # so stock and patched trees plan the same request.
+        try:
+            lookup_tokens = spec.lookup_tokens(
+                getattr(settings, "lookup", None), getattr(settings, "verify_block", None)
+            )
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
         speculative: dict[str, Any] = {
             "method": spec.method,
-            "num_speculative_tokens": spec.num_speculative_tokens,
+            "num_speculative_tokens": spec.num_speculative_tokens + lookup_tokens,
         }
         if spec.draft_sample_method:
             speculative["draft_sample_method"] = spec.draft_sample_method
         if spec.uses_drafter and profile.models.drafter is not None:
             sources["drafter"] = str(config_source(profile.models.drafter, models_dir))
             speculative["model"] = _shape_only_copy(Path(sources["drafter"]), workdir / "drafter")
+            if lookup_tokens and _is_dflash2(Path(sources["drafter"])):
+                raise PlanError(
+                    f"LOOKUP=true: profile {profile.name}'s drafter ({profile.models.drafter.dir}) is a "
+                    f"DFlash2DraftModel, which runs on vLLM's V2 model runner; patch 0070 implements lookup "
+                    "drafting in the V1 runner's DFlash proposer only; set LOOKUP=false"
+                )
         request["speculative"] = speculative
     return request, sources
 
@@ -371,7 +391,10 @@ def plan_cache_key(profile: Profile, settings: Any) -> str:
             configs[name] = source.read_text() if source is not None else None
     overrides = {
         k: getattr(settings, k, None)
-        for k in ("max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "prefix_caching", "speculation")
+        for k in (
+            "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "prefix_caching", "speculation", "lookup",
+            "verify_block",
+        )
     }
     return digest_of(
         {

@@ -68,6 +68,10 @@ class Models(_Strict):
     adapter: ModelSlot | None = None
 
 
+# vLLM verifies at most this many tokens per step here (the DFlash drafters' block).
+MAX_VERIFY_BLOCK = 16
+
+
 class Speculative(_Strict):
     """Speculative decoding with the `drafter` model slot (vLLM `--speculative-config`)."""
 
@@ -75,10 +79,46 @@ class Speculative(_Strict):
     method: Literal["dflash", "draft_model", "ngram", "mtp"] = "dflash"
     num_speculative_tokens: int = Field(ge=1, le=16)
     draft_sample_method: Literal["greedy", "probabilistic"] | None = None
+    lookup: bool = Field(
+        default=False,
+        description="Lookup drafting (reproduction mode) default on/off; the LOOKUP setting overrides it.",
+    )
+    verify_block: int = Field(
+        default=MAX_VERIFY_BLOCK,
+        ge=2,
+        le=MAX_VERIFY_BLOCK,
+        description="Tokens verified per step with lookup on: 1 + drafter depth + lookup tokens; "
+        "the VERIFY_BLOCK setting overrides it.",
+    )
 
     @property
     def uses_drafter(self) -> bool:
         return self.method in ("dflash", "draft_model")
+
+    def lookup_tokens(self, lookup: bool | None, verify_block: int | None) -> int:
+        """Verify positions past the drafter's that lookup drafting fills (0: off).
+
+        ``lookup``/``verify_block`` are the user's overrides (None: this profile decides).
+        Raises ValueError (one line) for a combination vLLM could not honour.
+        """
+        on = self.lookup if lookup is None else lookup
+        if not on:
+            if verify_block is not None:
+                raise ValueError(
+                    f"VERIFY_BLOCK={verify_block}: without lookup drafting the verify block is "
+                    f"1 + the drafter depth ({self.num_speculative_tokens + 1}); set LOOKUP=true or unset VERIFY_BLOCK"
+                )
+            return 0
+        if self.method != "dflash":
+            raise ValueError(f"LOOKUP=true: lookup drafting extends a dflash drafter, not method {self.method!r}")
+        block = self.verify_block if verify_block is None else verify_block
+        least = self.num_speculative_tokens + 2
+        if not least <= block <= MAX_VERIFY_BLOCK:
+            raise ValueError(
+                f"VERIFY_BLOCK={block}: with the drafter's {self.num_speculative_tokens} tokens it must be "
+                f"{least}..{MAX_VERIFY_BLOCK} (1 + drafter depth + at least one lookup token)"
+            )
+        return block - 1 - self.num_speculative_tokens
 
 
 class Lora(_Strict):
@@ -207,7 +247,9 @@ def render_profiles_table(directory: Path = PROFILES_DIR) -> str:
         p = load_profile(name, directory)
         spec = p.speculative
         spec_text = (
-            f"{spec.method} K={spec.num_speculative_tokens}" + ("" if spec.enabled else " (off by default)")
+            f"{spec.method} K={spec.num_speculative_tokens}"
+            + ("" if spec.enabled else " (off by default)")
+            + (f", lookup to {spec.verify_block}" if spec.lookup else "")
             if spec
             else "none"
         )

@@ -112,6 +112,23 @@ class Settings(BaseSettings):
     speculation: bool | None = _knob(
         None, "overrides", "Speculative decoding on/off (the profile's drafter and depth).", example=""
     )
+    lookup: bool | None = _knob(
+        None,
+        "overrides",
+        "Lookup drafting on/off (reproduction mode): verify positions past the drafter's are filled with the "
+        "continuation of the longest recent match in the request's own tokens. Lossless; needs speculation "
+        "(dflash). Pays off when answers copy their prompt (editing, quoting, rewriting code).",
+        example="",
+    )
+    verify_block: int | None = _knob(
+        None,
+        "overrides",
+        "Tokens verified per step with LOOKUP on: 1 + drafter depth + lookup tokens (16 = 1 + 7 + 8). "
+        "Each slot reserves state for the wider block.",
+        example="",
+        ge=8,
+        le=16,
+    )
     prefix_caching: bool | None = _knob(None, "overrides", "Automatic prefix caching on/off.", example="")
     enable_thinking: bool | None = _knob(
         None, "overrides", "Server-wide default for the chat template's `enable_thinking`.", example=""

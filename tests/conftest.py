@@ -192,3 +192,14 @@ def cpu_spec_server(tmp_path_factory, tiny_root, api_key_file) -> Iterator[Serve
     )
     yield server
     stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def cpu_lookup_server(tmp_path_factory, tiny_root, api_key_file) -> Iterator[Server]:
+    """`cpu_spec_server` with lookup drafting on (patch 0070): verify block 16 = 1 + 4 + 11."""
+    server = start_cpu_server(
+        tmp_path_factory.mktemp("cpu-lookup-server"), tiny_root, api_key_file, SPECULATION="true",
+        PREFIX_CACHING="false", LOOKUP="true",
+    )
+    yield server
+    stop_server(server)

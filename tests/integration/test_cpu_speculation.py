@@ -61,6 +61,84 @@ def test_validate_apis_passes_with_speculation(cpu_spec_server):
     assert result.returncode == 0, result.stdout[-3000:]
 
 
+# ---- lookup drafting (patch 0070) ------------------------------------------------------
+# Lookup on (`cpu_lookup_server`: verify block 16 = 1 + 4 drafter + 11 lookup positions)
+# against lookup off (`cpu_spec_server`, K = 4). These must run before the SIGTERM test
+# below, which ends `cpu_spec_server`. The tiny target's lm_head maps every token to a fixed
+# successor, so greedy output walks a chain of tokens; a prompt holding a stretch of that
+# chain and then its start again is a document the model copies, token for token.
+
+# Text with repeats (the model's chain need not follow them: losslessness must hold anyway).
+REPEAT_PROMPTS = [
+    "the cache the cache the cache the cache the",
+    "def verify(path):\n    return path\ndef verify(path):\n    return",
+    "one two three four five one two three four five one two",
+]
+
+
+def _token_ids(server, prompt, max_tokens: int) -> list[int]:
+    with StackClient(server.base_url, server.api_key) as client:
+        body = {"model": "qwen3.8-27b", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        return client.post_json("/v1/completions", body)["choices"][0]["token_ids"]
+
+
+def _copy_prompt(server) -> tuple[list[int], list[int]]:
+    """(prompt, expected): 48 tokens of the model's own chain, then its first 8 again."""
+    start = _token_ids(server, "x", 1)
+    chain = start + _token_ids(server, start, 80)
+    return chain[:48] + chain[:8], chain[8:48]
+
+
+def _accepted_per_step(server, prompt, max_tokens: int) -> tuple[list[int], float, float]:
+    names = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
+             "vllm:spec_decode_num_draft_tokens_total")
+    with StackClient(server.base_url, server.api_key) as client:
+        before = client.metrics()
+        out = _token_ids(server, prompt, max_tokens)
+        after = client.metrics()
+    drafts, accepted, draft_tokens = (after.total(n) - before.total(n) for n in names)
+    assert drafts > 0
+    return out, accepted / drafts, draft_tokens / drafts
+
+
+def test_greedy_output_is_identical_with_lookup_on_and_off(cpu_spec_server, cpu_lookup_server):
+    copy_prompt, _ = _copy_prompt(cpu_spec_server)
+    for prompt in [*REPEAT_PROMPTS, copy_prompt]:
+        assert _token_ids(cpu_lookup_server, prompt, 48) == _token_ids(cpu_spec_server, prompt, 48), prompt
+
+
+def test_lookup_accepts_more_tokens_per_verify_step_on_a_copied_document(cpu_spec_server, cpu_lookup_server):
+    prompt, expected = _copy_prompt(cpu_spec_server)
+    off, off_per_step, off_width = _accepted_per_step(cpu_spec_server, prompt, 40)
+    on, on_per_step, on_width = _accepted_per_step(cpu_lookup_server, prompt, 40)
+    assert off == on == expected  # the model copies the document, with and without lookup
+    assert (off_width, on_width) == (4, 15)  # the verify block widened to 16
+    # The tiny drafter is random (off: ~0 accepted); lookup drafts the copy.
+    assert on_per_step >= 5 and on_per_step > off_per_step + 4, (off_per_step, on_per_step)
+
+
+def test_plan_with_lookup_equals_the_pool_the_lookup_engine_logs(cpu_lookup_server, tiny_root, monkeypatch):
+    """The planner reserves the widened verify block exactly as the engine does."""
+    import re
+    from types import SimpleNamespace
+
+    from entrypoint.plan import plan_profile
+    from entrypoint.profiles import load_profile
+    from tests.support.vllm_views import child_pythonpath
+
+    monkeypatch.setenv("PYTHONPATH", child_pythonpath())  # the planner's vLLM child process
+
+    found = re.search(r"GPU KV cache size: ([\d,]+) tokens", cpu_lookup_server.log.read_text())
+    assert found
+    settings = SimpleNamespace(models_dir=tiny_root, speculation=True, prefix_caching=False, lookup=True)
+    plan = plan_profile(load_profile("cpu"), settings, compare=False)
+    without = plan_profile(load_profile("cpu"), SimpleNamespace(models_dir=tiny_root, speculation=True,
+                                                                prefix_caching=False), compare=False)
+    assert plan.pool_tokens == int(found[1].replace(",", ""))
+    assert plan.pool_tokens < without.pool_tokens  # wider speculative state per slot
+
+
 def test_sigterm_stops_the_engine_and_leaves_nothing_running(cpu_spec_server):
     """`serve` exec'ed vLLM: the pid we started is the engine; SIGTERM ends its whole tree."""
     process = cpu_spec_server.process

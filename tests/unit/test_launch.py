@@ -158,3 +158,70 @@ def test_render_json_on_the_cli_masks_the_key():
     assert set(data) >= {"argv", "env", "config"}
     assert data["env"]["VLLM_API_KEY"] == "********"
     assert secret not in result.stdout
+
+
+def test_lookup_is_off_by_default_and_renders_nothing_new():
+    for name in profile_names():
+        profile = load_profile(name)
+        if profile.speculative is None:
+            continue
+        assert resolve(profile, settings(profile=name, prefix_caching=False)).lookup_tokens == 0
+        inv = render_invocation(profile, settings(profile=name, speculation=True, prefix_caching=False), KEY)
+        assert "lookup_tokens" not in inv.config["speculative-config"]
+        assert inv.config["speculative-config"]["num_speculative_tokens"] == profile.speculative.num_speculative_tokens
+
+
+def test_lookup_widens_the_verify_block_past_the_drafter_depth():
+    single = load_profile("single")
+    spec = render_invocation(single, settings(profile="single", lookup=True), KEY).config["speculative-config"]
+    assert (spec["num_speculative_tokens"], spec["lookup_tokens"]) == (15, 8)  # 16 = 1 + 7 drafter + 8 lookup
+    spec = render_invocation(single, settings(profile="single", lookup=True, verify_block=12), KEY).config[
+        "speculative-config"]
+    assert (spec["num_speculative_tokens"], spec["lookup_tokens"]) == (11, 4)
+    cpu = render_invocation(load_profile("cpu"), settings(lookup=True, speculation=True, prefix_caching=False), KEY)
+    assert (cpu.config["speculative-config"]["num_speculative_tokens"],
+            cpu.config["speculative-config"]["lookup_tokens"]) == (15, 11)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"profile": "cpu", "lookup": True}, "LOOKUP=true: lookup drafting extends speculative decoding, which is off"),
+        ({"profile": "single", "lookup": True, "speculation": False}, "set SPECULATION=true"),
+        ({"profile": "single", "verify_block": 12}, "VERIFY_BLOCK=12: without lookup drafting the verify block is 1 "
+                                                    r"\+ the drafter depth \(8\)"),
+        ({"profile": "single", "lookup": True, "verify_block": 8}, r"VERIFY_BLOCK=8: .* must be 9\.\.16"),
+    ],
+)
+def test_lookup_conflicts_fail_with_one_line(values, message):
+    with pytest.raises(SettingsError, match=message) as info:
+        render_invocation(load_profile(values["profile"]), settings(**values), KEY)
+    assert "\n" not in str(info.value)
+
+
+def test_verify_block_outside_8_to_16_is_refused_by_the_settings():
+    from entrypoint.settings import load_settings
+
+    for value in (7, 17):
+        with pytest.raises(SettingsError, match=f"VERIFY_BLOCK={value}"):
+            load_settings(None, verify_block=value)
+
+
+def test_lookup_changes_the_compile_cache_key_with_the_verify_width():
+    profile = load_profile("single")
+    base = compile_cache_key(profile, resolve(profile, settings(profile="single")))
+    wide = compile_cache_key(profile, resolve(profile, settings(profile="single", lookup=True)))
+    assert wide != base
+    assert base == compile_cache_key(profile, resolve(profile, settings(profile="single", lookup=False)))
+
+
+def test_vllms_own_parser_accepts_the_lookup_speculative_config(tmp_path):
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    inv = render_invocation(load_profile("single"), settings(profile="single", lookup=True, cache_dir=tmp_path), KEY)
+    inv.config_path.parent.mkdir(parents=True)
+    inv.config_path.write_text(inv.config_yaml())
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(inv.argv[3:])
+    assert args.speculative_config["lookup_tokens"] == 8
+    assert args.speculative_config["num_speculative_tokens"] == 15

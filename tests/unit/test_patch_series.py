@@ -41,6 +41,8 @@ def pristine_copy(tmp_path, installed_vllm) -> Path:
     (root / "__init__.py").write_text("")
     for path in series.paths:
         text = ps.content_at(series, path, ps.read_tree_file(installed_vllm, path), 0)
+        if text is None:  # a file the series adds: absent when pristine
+            continue
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(text, encoding="utf-8")
     return root

@@ -129,3 +129,23 @@ def test_cli_refuses_a_context_that_does_not_fit(tmp_path):
     plan = json.loads(done.stdout[done.stdout.index("{") :])
     assert plan["fits"] is False and plan["patched"] is True and list(plan["variants"]) == ["patched"]
     assert "262,144-token request does not fit" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_lookup_widens_the_speculative_width_the_planner_reserves(tiny_root, tmp_path):
+    """Each slot keeps state/KV for every verify position: drafter depth + lookup tokens."""
+    cpu = load_profile("cpu")
+    off, _ = build_request(cpu, SimpleNamespace(models_dir=tiny_root, speculation=True), tmp_path / "a")
+    on, _ = build_request(cpu, SimpleNamespace(models_dir=tiny_root, speculation=True, lookup=True,
+                                               verify_block=16), tmp_path / "b")
+    assert off["speculative"]["num_speculative_tokens"] == 4
+    assert on["speculative"]["num_speculative_tokens"] == 15
+    assert "lookup_tokens" not in on["speculative"]  # stock trees plan the same width
+    with pytest.raises(PlanError, match="VERIFY_BLOCK=8"):
+        build_request(load_profile("single"), SimpleNamespace(models_dir=tmp_path, lookup=True, verify_block=8),
+                      tmp_path / "c")
+
+
+def test_lookup_with_a_dflash2_drafter_is_refused_before_loading(tmp_path):
+    """DFlash2 runs on vLLM's V2 runner, where patch 0070 has no lookup drafting yet."""
+    with pytest.raises(PlanError, match="DFlash2DraftModel.*set LOOKUP=false"):
+        build_request(load_profile("single"), SimpleNamespace(models_dir=tmp_path, lookup=True), tmp_path / "w")
