@@ -92,6 +92,11 @@ def decisions(b):
 
 
 graphs, eager, plain = engine_config(), engine_config(eager=True), engine_config(speculative=False)
+# What the CUDA build's V2 runner runs with (the CPU platform leaves CUDA graphs off even
+# when it plans as CUDA): full graphs for uniform decode/verify batches, piecewise else.
+for config in (graphs, plain):
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    config.compilation_config.cudagraph_capture_sizes = [8, 16, 32, 64]
 b_graphs, b_eager, b_plain = builder(graphs), builder(eager), builder(plain)
 built = b_graphs.build(0, batch([8, 8], [25600, 300]))
 capture = b_graphs.build_for_cudagraph_capture(batch([8, 8], [25600, 300]))
