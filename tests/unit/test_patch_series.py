@@ -42,7 +42,8 @@ def pristine_copy(tmp_path, installed_vllm) -> Path:
     for path in series.paths:
         text = ps.content_at(series, path, ps.read_tree_file(installed_vllm, path), 0)
         (root / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / path).write_text(text, encoding="utf-8")
+        if text is not None:  # None: a file the series creates (0045's kernel module)
+            (root / path).write_text(text, encoding="utf-8")
     return root
 
 
