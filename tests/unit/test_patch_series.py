@@ -44,7 +44,8 @@ def pristine_copy(tmp_path, installed_vllm) -> Path:
         if text is None:  # a file the series adds: absent when pristine
             continue
         (root / path).parent.mkdir(parents=True, exist_ok=True)
-        (root / path).write_text(text, encoding="utf-8")
+        if text is not None:  # None: a file the series creates (0045's kernel module)
+            (root / path).write_text(text, encoding="utf-8")
     return root
 
 
