@@ -38,6 +38,15 @@ PROMPTS = ["x", "The cache server keeps", "def verify(path):", "Tell me about th
 REPORT = os.environ.get("QWEN38_GPU_REPORT")
 
 
+def _engine_extra(name: str) -> dict:
+    """On Hopper (sm_90) vLLM 0.28.0 picks FlashInfer for fp8 KV and then refuses the DFlash2
+    drafter's sliding-window layers (measured on the H100, docs/gpu.md): pin Triton attention
+    there. The Spark (sm_121) and the 3090 (sm_86) keep the profile's own choice."""
+    if name == "spark-lora" and torch.cuda.get_device_capability(0)[0] == 9:
+        return {"extra": {"attention-backend": "TRITON_ATTN"}}
+    return {}
+
+
 def _record(key: str, value) -> None:
     """Adds one result to the tier's JSON report (docs/gpu.md is written from it)."""
     if not REPORT:
@@ -55,7 +64,7 @@ def gpu_servers(tmp_path_factory, tiny_root, api_key_file):
     data = {}
     for name in PROFILES:
         slots = dict(TINY, adapter="tiny/adapter") if name == "spark-lora" else TINY
-        data[f"{name}-tiny"] = derive(name, slots, extra_engine=SHARE)
+        data[f"{name}-tiny"] = derive(name, slots, extra_engine={**SHARE, **_engine_extra(name)})
     write_profiles(profiles_dir, data)
     launches = {
         name: (f"{name}-tiny", {}) for name in PROFILES

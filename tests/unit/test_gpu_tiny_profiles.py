@@ -1,0 +1,53 @@
+"""The GPU tier's tiny profiles (tests/gpu/tiny_profiles.py) are valid profiles whose rendered
+configs vLLM 0.28.0's own parser reads with the real profiles' engine settings - checked here
+on CPU, so a GPU run is not spent on a configuration mistake."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import SecretStr
+
+from entrypoint.launch import render_invocation
+from entrypoint.profiles import load_profile
+from entrypoint.settings import Settings
+from tests.gpu.tiny_profiles import TINY_KV_BYTES, TINY_MAX_MODEL_LEN, derive, write_profiles
+
+KEY = SecretStr("s3cret-" + "k" * 20)
+SLOTS = {"target": "tiny/target", "drafter": "tiny/drafter2"}
+
+
+@pytest.mark.parametrize("name", ["single", "long", "spark-lora"])
+def test_tiny_gpu_profile_keeps_the_engine_settings_and_vllm_parses_it(name, tmp_path):
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    slots = dict(SLOTS, adapter="tiny/adapter") if name == "spark-lora" else SLOTS
+    hopper = {"extra": {"attention-backend": "TRITON_ATTN"}} if name == "spark-lora" else {}
+    data = derive(name, slots, extra_engine={"gpu_memory_utilization": 0.15, **hopper})
+    directory = write_profiles(tmp_path / "profiles", {f"{name}-tiny": data})
+    tiny, real = load_profile(f"{name}-tiny", directory), load_profile(name)
+
+    for field in ("kv_cache_dtype", "enable_prefix_caching", "mamba_ssm_cache_dtype", "enforce_eager",
+                  "enable_flashinfer_autotune", "max_num_seqs"):
+        assert getattr(tiny.engine, field) == getattr(real.engine, field), field
+    assert tiny.speculative == real.speculative and tiny.lora == real.lora and tiny.served == real.served
+    assert all(slot["generated"] == "tiny" for slot in tiny.models.model_dump(exclude_none=True).values())
+
+    settings = Settings(_env_file=None, profile=f"{name}-tiny", profiles_dir=directory, models_dir=tmp_path / "m",
+                        cache_dir=tmp_path / "cache")
+    inv = render_invocation(tiny, settings, KEY)
+    inv.config_path.parent.mkdir(parents=True)
+    inv.config_path.write_text(inv.config_yaml())
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(inv.argv[3:])
+    assert args.model == str(tmp_path / "m" / "tiny" / "target")
+    assert args.max_model_len == TINY_MAX_MODEL_LEN and args.kv_cache_memory_bytes == TINY_KV_BYTES
+    assert args.gpu_memory_utilization == 0.15
+    assert args.kv_cache_dtype == real.engine.kv_cache_dtype
+    assert args.speculative_config["model"] == str(tmp_path / "m" / "tiny" / "drafter2")
+    assert args.speculative_config["num_speculative_tokens"] == 7
+    assert args.speculative_config["draft_sample_method"] == "probabilistic"
+    assert args.additional_config == {"gdn_prefill_backend": "triton"}
+    if name == "spark-lora":
+        assert str(args.attention_backend).endswith("TRITON_ATTN")
+        (module,) = args.lora_modules
+        assert (module.name, module.path) == ("qwen3.8-27b-mode-b", str(tmp_path / "m" / "tiny" / "adapter"))
