@@ -148,22 +148,16 @@ def start_cpu_server(tmp: Path, models: Path, key_file: Path, **settings: str) -
     return wait_ready(launch_server(tmp, models, key_file, "cpu", **settings))
 
 
-SPEC_COUNTERS = {
-    "drafts": "vllm:spec_decode_num_drafts_total",
-    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
-    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
-}
-
-
 def spec_decode_delta(server: Server, body: dict) -> dict[str, float]:
-    """vLLM's speculative-decoding counters moved by one /v1/completions request."""
+    """The /metrics counters (entrypoint.bench.stats.COUNTERS: drafts, draft_tokens,
+    accepted_tokens, ...) moved by one /v1/completions request."""
+    from entrypoint.bench.stats import metric_delta
     from entrypoint.client import StackClient
 
     with StackClient(server.base_url, server.api_key) as client:
         before = client.metrics()
         client.post_json("/v1/completions", body)
-        after = client.metrics()
-    return {key: after.total(name) - before.total(name) for key, name in SPEC_COUNTERS.items()}
+        return metric_delta(before, client.metrics()).counters
 
 
 def stop_server(server: Server) -> None:

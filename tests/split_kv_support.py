@@ -158,6 +158,18 @@ def quantize_per_token_head(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.clamp(scaled, -128.0, 127.0).trunc().to(torch.int8), scale
 
 
+def fill_block_table(seq_lens: list[int], block_size: int, pages, width: int) -> torch.Tensor:
+    """An int32 block table (one row per request, ``width`` columns, zeros past its pages)
+    handing each request its pages in turn from ``pages`` (e.g. a shuffled page order)."""
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    used = 0
+    for row, seq_len in enumerate(seq_lens):
+        count = -(-seq_len // block_size)
+        table[row, :count] = torch.as_tensor(pages[used : used + count], dtype=torch.int32)
+        used += count
+    return table
+
+
 def make_batch(
     query_lens: list[int],
     context_lens: list[int],
@@ -187,12 +199,7 @@ def make_batch(
         block_padding=block_padding, device=device,
     )
     order = torch.randperm(num_blocks, generator=gen).tolist()
-    width = max(max(blocks_per_seq), 1)
-    block_table = torch.zeros(len(seq_lens), width + 1, dtype=torch.int32)
-    next_page = 0
-    for row, count in enumerate(blocks_per_seq):
-        block_table[row, :count] = torch.tensor(order[next_page : next_page + count], dtype=torch.int32)
-        next_page += count
+    block_table = fill_block_table(seq_lens, block_size, order, max(max(blocks_per_seq), 1) + 1)
     for row, seq_len in enumerate(seq_lens):
         if seq_len == 0:
             continue

@@ -22,6 +22,7 @@ import pytest
 from entrypoint.client import StackClient
 from tests.conftest import launch_server, run_cli, spec_decode_delta, stop_server, wait_ready
 from tests.gpu.tiny_profiles import derive, write_profiles
+from tests.support.chain_copy import greedy_ids
 
 torch = pytest.importorskip("torch")
 
@@ -140,13 +141,9 @@ def test_drafts_are_proposed_and_verified(gpu_servers, name):
     assert moved["drafts"] > 0 and moved["draft_tokens"] == 7 * moved["drafts"]  # K=7 in every GPU profile
 
 
-def _greedy(server, model: str = "qwen3.8-27b") -> list[list[int]]:
+def _greedy(server) -> list[list[int]]:
     with StackClient(server.base_url, server.api_key) as client:
-        return [
-            client.post_json("/v1/completions", {"model": model, "prompt": p, "max_tokens": 48, "temperature": 0,
-                                                 "return_token_ids": True})["choices"][0]["token_ids"]
-            for p in PROMPTS
-        ]
+        return [greedy_ids(client, p, 48) for p in PROMPTS]
 
 
 def test_speculation_is_lossless_on_the_gpu(gpu_servers):

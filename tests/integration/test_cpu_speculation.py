@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from entrypoint.bench.stats import metric_delta
 from entrypoint.client import StackClient
 from tests.conftest import clean_env, run_cli, spec_decode_delta
+from tests.support.chain_copy import chain_document, greedy_ids
 
 pytestmark = pytest.mark.integration
 
@@ -78,28 +80,23 @@ REPEAT_PROMPTS = [
 
 def _token_ids(server, prompt, max_tokens: int) -> list[int]:
     with StackClient(server.base_url, server.api_key) as client:
-        body = {"model": "qwen3.8-27b", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}
-        return client.post_json("/v1/completions", body)["choices"][0]["token_ids"]
+        return greedy_ids(client, prompt, max_tokens)
 
 
 def _copy_prompt(server) -> tuple[list[int], list[int]]:
     """(prompt, expected): 48 tokens of the model's own chain, then its first 8 again."""
-    start = _token_ids(server, "x", 1)
-    chain = start + _token_ids(server, start, 80)
-    return chain[:48] + chain[:8], chain[8:48]
+    with StackClient(server.base_url, server.api_key) as client:
+        return chain_document(client, document=48, repeat=8, follow=40)
 
 
 def _accepted_per_step(server, prompt, max_tokens: int) -> tuple[list[int], float, float]:
-    names = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
-             "vllm:spec_decode_num_draft_tokens_total")
     with StackClient(server.base_url, server.api_key) as client:
         before = client.metrics()
-        out = _token_ids(server, prompt, max_tokens)
-        after = client.metrics()
-    drafts, accepted, draft_tokens = (after.total(n) - before.total(n) for n in names)
+        out = greedy_ids(client, prompt, max_tokens)
+        moved = metric_delta(before, client.metrics()).counters
+    drafts = moved["drafts"]
     assert drafts > 0
-    return out, accepted / drafts, draft_tokens / drafts
+    return out, moved["accepted_tokens"] / drafts, moved["draft_tokens"] / drafts
 
 
 def test_greedy_output_is_identical_with_lookup_on_and_off(cpu_spec_server, cpu_lookup_server):

@@ -6,6 +6,8 @@ the model continues the copy for the next 1,000 tokens. Prints one JSON line: to
 verify step (1 + accepted / drafts, from /metrics) and output tok/s.
 
     python -m tests.support.chain_copy BASE_URL KEY_FILE
+
+`greedy_ids` and `chain_document` also serve tests/integration/test_cpu_speculation.py.
 """
 
 from __future__ import annotations
@@ -15,31 +17,39 @@ import sys
 import time
 from pathlib import Path
 
+from entrypoint.bench.stats import metric_delta
 from entrypoint.client import StackClient
 
 MODEL = "qwen3.8-27b"
 DOCUMENT, REPEAT, OUTPUT = 1200, 8, 1000
 
 
+def greedy_ids(client: StackClient, prompt: str | list[int], max_tokens: int) -> list[int]:
+    """The token ids of a greedy completion of exactly ``max_tokens`` (EOS ignored)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    return client.post_json("/v1/completions", body)["choices"][0]["token_ids"]
+
+
+def chain_document(client: StackClient, document: int, repeat: int, follow: int) -> tuple[list[int], list[int]]:
+    """(prompt, expected): ``document`` tokens of the model's own greedy chain, then its first
+    ``repeat`` again; ``expected`` is the ``follow`` tokens the model then copies."""
+    start = greedy_ids(client, "x", 1)
+    chain = start + greedy_ids(client, start, document + follow)
+    return chain[:document] + chain[:repeat], chain[repeat : repeat + follow]
+
+
 def main(base_url: str, key_file: str) -> dict:
     with StackClient(base_url, Path(key_file).read_text().strip()) as client:
-        def complete(prompt, max_tokens: int) -> list[int]:
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                    "ignore_eos": True, "return_token_ids": True}
-            return client.post_json("/v1/completions", body)["choices"][0]["token_ids"]
-
-        start = complete("x", 1)
-        chain = start + complete(start, DOCUMENT + OUTPUT)
-        prompt = chain[:DOCUMENT] + chain[:REPEAT]
-        names = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
+        prompt, expected = chain_document(client, DOCUMENT, REPEAT, OUTPUT)
         before = client.metrics()
         began = time.monotonic()
-        out = complete(prompt, OUTPUT)
+        out = greedy_ids(client, prompt, OUTPUT)
         seconds = time.monotonic() - began
-        after = client.metrics()
-    drafts, accepted = (after.total(n) - before.total(n) for n in names)
+        moved = metric_delta(before, client.metrics()).counters
+    drafts, accepted = moved["drafts"], moved["accepted_tokens"]
     return {
-        "prompt_tokens": len(prompt), "output_tokens": len(out), "copied": out == chain[REPEAT:REPEAT + OUTPUT],
+        "prompt_tokens": len(prompt), "output_tokens": len(out), "copied": out == expected,
         "seconds": round(seconds, 3), "tok_s": round(len(out) / seconds, 1), "verify_steps": drafts,
         "tokens_per_step": round(1 + accepted / drafts, 3) if drafts else None,
     }

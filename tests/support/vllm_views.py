@@ -20,6 +20,24 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TORCHVISION_STANDIN = REPO_ROOT / "docker" / "cpu" / "torchvision-standin"  # the one the CPU setup installs
 
 
+def real_shapes_as_cuda_prelude() -> str:
+    """Child-script lines that make vLLM plan as a CUDA build (DFlash2 forces the V2 runner,
+    which validates Triton; the CPU platform would also turn CUDA graphs off) and write
+    shape-only copies of the real Qwen3.8-27B W4A16 target and DFlash2 drafter configs,
+    whose paths it binds to `target` and `drafter`. vLLM is imported only after it."""
+    configs = REPO_ROOT / "profiles" / "model-configs"
+    return (
+        "import tempfile\n"
+        "from pathlib import Path\n"
+        "from entrypoint.kv_capacity import _emulate_cuda\n"
+        "from entrypoint.plan import _shape_only_copy\n"
+        "_emulate_cuda(True)\n"
+        "work = Path(tempfile.mkdtemp())\n"
+        f"target = _shape_only_copy(Path({str(configs / 'qwen3.8-27b-w4a16' / 'config.json')!r}), work / 't')\n"
+        f"drafter = _shape_only_copy(Path({str(configs / 'qwen3.8-27b-dflash2' / 'config.json')!r}), work / 'd')\n"
+    )
+
+
 def needs_torchvision_standin() -> bool:
     return importlib.util.find_spec("torchvision") is None
 

@@ -5,26 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_views import REPO_ROOT, last_json_line, run_python, vllm_views  # noqa: F401
+from tests.support.vllm_views import last_json_line, real_shapes_as_cuda_prelude, run_python, vllm_views  # noqa: F401
 
 pytestmark = pytest.mark.slow  # starts vLLM in a child process
 
-CONFIGS = REPO_ROOT / "profiles" / "model-configs"
-
 CHECK = rf"""
 import json
-from entrypoint.kv_capacity import _emulate_cuda
-from entrypoint.plan import _shape_only_copy
-from pathlib import Path
-import tempfile
-
-# DFlash2 forces the V2 runner, which validates Triton: plan as on a CUDA build.
-_emulate_cuda(True)
+{real_shapes_as_cuda_prelude()}
 from vllm.engine.arg_utils import EngineArgs
 
-work = Path(tempfile.mkdtemp())
-target = _shape_only_copy(Path({str(CONFIGS / "qwen3.8-27b-w4a16" / "config.json")!r}), work / "t")
-drafter = _shape_only_copy(Path({str(CONFIGS / "qwen3.8-27b-dflash2" / "config.json")!r}), work / "d")
 hashes = {{}}
 for depth in (7, 7, 9):
     config = EngineArgs(

@@ -12,27 +12,27 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_views import REPO_ROOT, last_json_line, run_python, vllm_views  # noqa: F401
+from tests.support.vllm_views import (  # noqa: F401 (vllm_views is a fixture)
+    REPO_ROOT,
+    last_json_line,
+    real_shapes_as_cuda_prelude,
+    run_python,
+    vllm_views,
+)
 
 pytestmark = pytest.mark.slow  # starts vLLM in child processes
 
-CONFIGS = REPO_ROOT / "profiles" / "model-configs"
 KERNEL_SOURCE = REPO_ROOT / "patches" / "src" / "v1" / "attention" / "ops" / "qwen38_split_kv_verify.py"
 PATCH = REPO_ROOT / "patches" / "0045-split-kv-verify-attention.patch"
 
-# The builder and the impl, from vLLM's own objects (device cpu). `_emulate_cuda` plans as
-# a CUDA build (the CPU platform would turn CUDA graphs and the V2 runner off).
+# The builder and the impl, from vLLM's own objects (device cpu), planned as on a CUDA build
+# (the CPU platform would turn CUDA graphs and the V2 runner off).
 BUILDER = rf"""
 import json, os
-from pathlib import Path
-import tempfile
 
 import torch
 
-from entrypoint.kv_capacity import _emulate_cuda
-from entrypoint.plan import _shape_only_copy
-
-_emulate_cuda(True)
+{real_shapes_as_cuda_prelude()}
 from vllm.config import CUDAGraphMode
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
@@ -40,10 +40,6 @@ from vllm.v1.attention.backends import triton_attn
 from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadataBuilder
 from vllm.v1.attention.ops.qwen38_split_kv_verify import SplitKVWorkspace
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
-work = Path(tempfile.mkdtemp())
-target = _shape_only_copy(Path({str(CONFIGS / "qwen3.8-27b-w4a16" / "config.json")!r}), work / "t")
-drafter = _shape_only_copy(Path({str(CONFIGS / "qwen3.8-27b-dflash2" / "config.json")!r}), work / "d")
 
 
 def engine_config(speculative=True, eager=False):
@@ -279,7 +275,7 @@ tu.triton, tu.tl, tu.HAS_TRITON = triton, tl, True
 torch.cuda.get_device_capability = lambda *args, **kwargs: (8, 6)
 from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadata
 from vllm.v1.attention.ops.qwen38_split_kv_verify import SplitKVWorkspace
-from tests.split_kv_support import paged_kv_cache
+from tests.split_kv_support import fill_block_table, paged_kv_cache
 
 calls = []
 
@@ -292,11 +288,7 @@ def run(kv_cache_dtype, layout):
     g = torch.Generator().manual_seed(2)
     num_blocks = 20
     kv_cache, *_ = paged_kv_cache(num_blocks, bs, kv_heads, hd, kv_int8=kv_int8, dtype=torch.float16, layout=layout)
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.zeros(3, 8, dtype=torch.int32)
-    used = 0
-    for r, s in enumerate(seq_lens):
-        n = -(-s // bs); table[r, :n] = perm[used:used + n].to(torch.int32); used += n
+    table = fill_block_table(seq_lens, bs, torch.randperm(num_blocks, generator=g), 8)
     torch.set_default_dtype(torch.float16)  # the model dtype, as vLLM's loader sets it
     impl = TritonAttentionImpl(heads, hd, hd**-0.5, kv_heads, None, None, kv_cache_dtype)
     torch.set_default_dtype(torch.float32)

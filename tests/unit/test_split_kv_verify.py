@@ -278,6 +278,7 @@ tu.triton, tu.tl, tu.HAS_TRITON = triton, tl, True
 torch.cuda.get_device_capability = lambda *args, **kwargs: (8, 6)
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl, TritonAttentionMetadata
 from tests.split_kv_support import load_kernel_module, paged_kv_cache, reference_attention, PagedBatch, compare
+from tests.split_kv_support import fill_block_table
 from tests.split_kv_support import quantize_per_token_head
 
 kernel = load_kernel_module(interpret=True)
@@ -292,11 +293,7 @@ def cross_check(kv_cache_dtype, layout):
     num_blocks = 20
     kv_cache, key_cache, value_cache, ks, vs = paged_kv_cache(num_blocks, bs, kv_heads, hd, kv_int8=kv_int8,
                                                               dtype=torch.float16, layout=layout)
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.zeros(3, 8, dtype=torch.int32)
-    used = 0
-    for r, s in enumerate(seq_lens):
-        n = -(-s // bs); table[r, :n] = perm[used:used + n].to(torch.int32); used += n
+    table = fill_block_table(seq_lens, bs, torch.randperm(num_blocks, generator=g), 8)
 
     impl = TritonAttentionImpl(heads, hd, hd**-0.5, kv_heads, None, None, kv_cache_dtype)
     class Layer:
