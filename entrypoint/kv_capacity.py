@@ -19,12 +19,19 @@ Planning a CUDA configuration on a machine without a GPU needs two switches, bot
 limited to this process: the V2 model runner's "requires Triton" check is told
 Triton exists, and the CPU platform's config hook (which would force CPU block sizes
 and state dtypes) is skipped, so the engine config is the one a CUDA build resolves.
+
+One vLLM import per process is the whole cost of a plan (about 10 s of CPU), so this
+process does not start another: vLLM inspects a model class in a subprocess (to keep
+CUDA uninitialised in a process that will serve), and here inspects it in-process with
+the same function (`_inspect_in_this_process`). The process never serves.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -349,14 +356,40 @@ def _capacity(config, specs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _inspect_in_this_process() -> None:
+    """Let vLLM's model registry run its model-class inspection here, not in a child
+    Python that imports vLLM a second time (with a cold model-info cache that child is
+    as slow as the whole plan)."""
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda fn: fn()
+
+
+@contextmanager
+def _environment(values: dict[str, str]):
+    """The profile's environment for vLLM, as the engine will have it, for one request."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def main() -> int:
     """Answer ``{"requests": [...]}`` from stdin with ``{"results": [...]}`` on the
     last line of stdout (vLLM may log before it); one import of vLLM serves all."""
     requests = json.loads(sys.stdin.read())["requests"]
+    _inspect_in_this_process()
     results = []
     for request in requests:
         try:
-            results.append(plan_request(request))
+            with _environment(request.get("env") or {}):
+                results.append(plan_request(request))
         except Exception as exc:  # reported to the parent as one line, not a traceback
             results.append({"error": f"{type(exc).__name__}: {exc}"})
     sys.stdout.write("\n" + json.dumps({"results": results}) + "\n")

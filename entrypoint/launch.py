@@ -1,20 +1,19 @@
-"""Launch: render a profile + settings into the exact vLLM invocation, then exec it.
+"""Launch: render a resolved engine into the exact vLLM invocation, then exec it.
 
 `render_invocation` is pure: the same profile, settings and key give the same argv,
-environment and ``--config`` YAML content. Nearly everything goes into the YAML (vLLM's
-``--config`` takes long-form names; the command line would win over it, so we put nothing
-else there); the API key travels in the environment, never in argv, and is masked
+environment and ``--config`` YAML content. It renders the `ResolvedEngine`
+(`entrypoint.resolve`) the rest of the command uses. Nearly everything goes into the YAML
+(vLLM's ``--config`` takes long-form names; the command line would win over it, so we put
+nothing else there); the API key travels in the environment, never in argv, and is masked
 whenever an invocation is shown.
 
-`qwen38 serve` runs the flow of DESIGN.md: settings -> verify -> plan -> render -> exec,
-with the readiness gate running in a forked watcher so that vLLM itself becomes the
-process (PID 1 in a container, under tini) that receives SIGTERM.
+`exec_engine` replaces this process with vLLM, so that vLLM itself is the process (PID 1
+in a container, under tini) that receives SIGTERM; `entrypoint.serve` runs the whole flow.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shlex
@@ -27,8 +26,9 @@ import yaml
 from pydantic import SecretStr
 
 from entrypoint.errors import LaunchError, SettingsError
-from entrypoint.profiles import Profile, load_profile
-from entrypoint.settings import Settings, load_settings, read_api_key
+from entrypoint.profiles import Profile
+from entrypoint.resolve import ResolvedEngine, resolve
+from entrypoint.settings import Settings, load_settings, load_settings_profile, read_api_key
 
 ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
 MASK = "********"
@@ -61,60 +61,6 @@ class Invocation:
         }
 
 
-@dataclass(frozen=True)
-class Resolved:
-    """The profile's engine settings after the user's overrides were applied."""
-
-    max_model_len: int
-    max_num_seqs: int
-    kv_cache_memory_bytes: int | None
-    prefix_caching: bool
-    speculation: bool
-    enable_thinking: bool | None
-    lookup_tokens: int = 0  # verify positions past the drafter's filled by lookup drafting
-
-
-def resolve(profile: Profile, settings: Settings) -> Resolved:
-    """Apply the overrides; refuse ones the profile cannot honour (one line each)."""
-    engine = profile.engine
-    spec = profile.speculative
-    speculation = settings.speculation if settings.speculation is not None else bool(spec and spec.enabled)
-    if speculation and spec is None:
-        raise SettingsError(f"SPECULATION=true: profile {profile.name} has no speculative decoding configured")
-    lookup_tokens = 0
-    if speculation:
-        try:
-            lookup_tokens = spec.lookup_tokens(settings.lookup, settings.verify_block)
-        except ValueError as exc:
-            raise SettingsError(str(exc)) from None
-    elif settings.lookup or settings.verify_block is not None:
-        knob = "LOOKUP=true" if settings.lookup else f"VERIFY_BLOCK={settings.verify_block}"
-        raise SettingsError(
-            f"{knob}: lookup drafting extends speculative decoding, which is off for profile {profile.name}; "
-            "set SPECULATION=true"
-        )
-    prefix_caching = settings.prefix_caching if settings.prefix_caching is not None else engine.enable_prefix_caching
-    if profile.platform == "cpu" and speculation and prefix_caching:
-        raise SettingsError(
-            f"profile {profile.name}: the CPU build cannot combine speculative decoding with prefix caching on "
-            "a hybrid (GDN) target (the align-mode state copy is a Triton kernel); "
-            "set SPECULATION=false or PREFIX_CACHING=false"
-        )
-    return Resolved(
-        max_model_len=settings.max_model_len or engine.max_model_len,
-        max_num_seqs=settings.max_num_seqs or engine.max_num_seqs,
-        kv_cache_memory_bytes=settings.kv_cache_memory_bytes or engine.kv_cache_memory_bytes,
-        prefix_caching=prefix_caching,
-        speculation=speculation,
-        enable_thinking=settings.enable_thinking,
-        lookup_tokens=lookup_tokens,
-    )
-
-
-def model_dir(settings: Settings, relative: str) -> Path:
-    return (settings.models_dir / relative).absolute()
-
-
 def run_dir(settings: Settings) -> Path:
     return (settings.cache_dir / "run").absolute()
 
@@ -123,112 +69,108 @@ def status_path(settings: Settings, profile_name: str) -> Path:
     return run_dir(settings) / f"{profile_name}.status.json"
 
 
-def compile_cache_key(profile: Profile, resolved: Resolved) -> str:
-    """A cache directory name keyed by everything that shapes the compiled graphs.
+# Fields of the resolved engine that cannot change a compiled graph; every other field
+# keys the compile cache (as vLLM's own compute_hash ignores an explicit list).
+COMPILE_IGNORED = {
+    "served_model_name": "the id clients use",
+    "tool_call_parser": "API layer",
+    "reasoning_parser": "API layer",
+    "structured_outputs_config": "API layer",
+    "default_chat_template_kwargs": "API layer",
+    "seed": "sampling (vLLM's ModelConfig hash ignores it too)",
+    "kv_cache_memory_bytes": "the pool's size (vLLM's CacheConfig hash ignores it too)",
+    "gpu_memory_utilization": "the pool's size (vLLM's CacheConfig hash ignores it too)",
+    "lora.adapter_id": "which adapter, not its shape",
+    "lora.path": "which adapter, not its shape",
+    "lora.base_model_name": "which adapter, not its shape",
+    "overridden": "where a value came from, not the value",
+}
+
+
+def compile_cache_key(resolved: ResolvedEngine) -> str:
+    """A cache directory name keyed by everything that may shape the compiled graphs.
 
     vLLM 0.28.0's own compile-cache hash misses the speculative depth (upstream #53292);
-    keying the whole cache root by what we know shapes the graphs keeps two shapes from
-    ever sharing an artifact, patched or not.
+    keying the whole cache root by the resolved engine (minus `COMPILE_IGNORED`) keeps two
+    shapes from ever sharing an artifact, patched or not.
     """
-    spec = profile.speculative
-    factors = {
-        "profile": profile.name,
-        "speculation": resolved.speculation,
-        "method": spec.method if (spec and resolved.speculation) else None,
-        "depth": spec.num_speculative_tokens + resolved.lookup_tokens if (spec and resolved.speculation) else 0,
-        "draft_sample_method": spec.draft_sample_method if (spec and resolved.speculation) else None,
-        "lora": profile.lora is not None,
-        "kv_cache_dtype": profile.engine.kv_cache_dtype,
-        "max_num_seqs": resolved.max_num_seqs,
-        "prefix_caching": resolved.prefix_caching,
-        "enforce_eager": profile.engine.enforce_eager,
-        "compilation_config": profile.engine.compilation_config,
-    }
-    digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:12]
-    return f"{profile.name}-{digest}"
+    return f"{resolved.profile}-{resolved.digest(COMPILE_IGNORED)[:12]}"
 
 
-def _engine_config(profile: Profile, settings: Settings, resolved: Resolved) -> dict[str, Any]:
-    engine = profile.engine
+def _engine_config(resolved: ResolvedEngine, settings: Settings) -> dict[str, Any]:
     config: dict[str, Any] = {
-        "model": str(model_dir(settings, profile.models.target.dir)),
-        "served-model-name": profile.served.base,
+        "model": resolved.target_dir,
+        "served-model-name": resolved.served_model_name,
         "host": settings.host,
         "port": settings.port,
-        "dtype": engine.dtype,
+        "dtype": resolved.dtype,
         "max-model-len": resolved.max_model_len,
         "max-num-seqs": resolved.max_num_seqs,
-        "kv-cache-dtype": engine.kv_cache_dtype,
-        "enable-prefix-caching": resolved.prefix_caching,
-        "mamba-ssm-cache-dtype": engine.mamba_ssm_cache_dtype,
+        "kv-cache-dtype": resolved.kv_cache_dtype,
+        "enable-prefix-caching": resolved.enable_prefix_caching,
+        "mamba-ssm-cache-dtype": resolved.mamba_ssm_cache_dtype,
         # Per-request cached-token counts: the cache-isolation validator reads them.
         "enable-prompt-tokens-details": True,
         "uvicorn-log-level": settings.log_level,
     }
     optional = {
         "kv-cache-memory-bytes": resolved.kv_cache_memory_bytes,
-        "gpu-memory-utilization": engine.gpu_memory_utilization,
-        "max-num-batched-tokens": engine.max_num_batched_tokens,
-        "block-size": engine.block_size,
-        "seed": engine.seed,
-        "compilation-config": engine.compilation_config,
-        "additional-config": engine.additional_config,
-        "structured-outputs-config": engine.structured_outputs_config,
-        "reasoning-parser": engine.reasoning_parser,
-        "enable-flashinfer-autotune": engine.enable_flashinfer_autotune,
+        "gpu-memory-utilization": resolved.gpu_memory_utilization,
+        "max-num-batched-tokens": resolved.max_num_batched_tokens,
+        "block-size": resolved.block_size,
+        "attention-backend": resolved.attention_backend,
+        "seed": resolved.seed,
+        "compilation-config": resolved.compilation_config,
+        "additional-config": resolved.additional_config,
+        "structured-outputs-config": resolved.structured_outputs_config,
+        "reasoning-parser": resolved.reasoning_parser,
+        "enable-flashinfer-autotune": resolved.enable_flashinfer_autotune,
+        "default-chat-template-kwargs": resolved.default_chat_template_kwargs,
     }
     config.update({k: v for k, v in optional.items() if v is not None})
-    if engine.enforce_eager:
+    if resolved.enforce_eager:
         config["enforce-eager"] = True
-    if engine.language_model_only:
+    if resolved.language_model_only:
         config["language-model-only"] = True
-    if engine.tool_call_parser:
+    if resolved.tool_call_parser:
         config["enable-auto-tool-choice"] = True
-        config["tool-call-parser"] = engine.tool_call_parser
+        config["tool-call-parser"] = resolved.tool_call_parser
 
-    template_kwargs = dict(engine.default_chat_template_kwargs or {})
-    if resolved.enable_thinking is not None:
-        template_kwargs["enable_thinking"] = resolved.enable_thinking
-    if template_kwargs:
-        config["default-chat-template-kwargs"] = template_kwargs
-
-    if resolved.speculation and profile.speculative is not None:
-        spec = profile.speculative
+    spec = resolved.speculative
+    if spec is not None:
         # Lookup drafting (patch 0070) widens the verify block: vLLM verifies
         # num_speculative_tokens drafts, the last lookup_tokens of them from lookup.
-        spec_config: dict[str, Any] = {
-            "method": spec.method,
-            "num_speculative_tokens": spec.num_speculative_tokens + resolved.lookup_tokens,
-        }
-        if resolved.lookup_tokens:
-            spec_config["lookup_tokens"] = resolved.lookup_tokens
-        if profile.models.drafter is not None:
-            spec_config["model"] = str(model_dir(settings, profile.models.drafter.dir))
+        spec_config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
+        if spec.lookup_tokens:
+            spec_config["lookup_tokens"] = spec.lookup_tokens
+        if spec.drafter_dir is not None:
+            spec_config["model"] = spec.drafter_dir
         if spec.draft_sample_method is not None:
             spec_config["draft_sample_method"] = spec.draft_sample_method
         config["speculative-config"] = spec_config
 
-    if profile.lora is not None and profile.models.adapter is not None and profile.served.adapter:
+    lora = resolved.lora
+    if lora is not None:
         config["enable-lora"] = True
-        config["max-lora-rank"] = profile.lora.max_lora_rank
-        config["max-loras"] = profile.lora.max_loras
+        config["max-lora-rank"] = lora.max_lora_rank
+        config["max-loras"] = lora.max_loras
         # vLLM turns YAML list items into strings with str(): give it JSON strings.
-        module = {
-            "name": profile.served.adapter,
-            "path": str(model_dir(settings, profile.models.adapter.dir)),
-            "base_model_name": profile.served.base,
-        }
+        module = {"name": lora.adapter_id, "path": lora.path, "base_model_name": lora.base_model_name}
         config["lora-modules"] = [json.dumps(module, sort_keys=True)]
 
-    for key, value in engine.extra.items():
-        config[key.replace("_", "-")] = value
+    config.update(resolved.extra)
     return config
 
 
-def _engine_env(profile: Profile, settings: Settings, api_key: SecretStr | None, cache_key: str) -> dict[str, str]:
+def vllm_cache_root(cache_dir: Path, resolved: ResolvedEngine) -> Path:
+    """The engine's VLLM_CACHE_ROOT: compile caches (and model info) of this shape only."""
+    return cache_dir.absolute() / "vllm" / compile_cache_key(resolved)
+
+
+def _engine_env(resolved: ResolvedEngine, settings: Settings, api_key: SecretStr | None) -> dict[str, str]:
     cache = settings.cache_dir.absolute()
     env = {
-        "VLLM_CACHE_ROOT": str(cache / "vllm" / cache_key),
+        "VLLM_CACHE_ROOT": str(vllm_cache_root(settings.cache_dir, resolved)),
         "TRITON_CACHE_DIR": str(cache / "triton"),
         "FLASHINFER_WORKSPACE_BASE": str(cache / "flashinfer"),
         "VLLM_LOGGING_LEVEL": settings.log_level.upper(),
@@ -238,9 +180,9 @@ def _engine_env(profile: Profile, settings: Settings, api_key: SecretStr | None,
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
-    if profile.platform == "cuda":
+    if resolved.platform == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = settings.cuda_visible_devices
-    env.update(profile.env)
+    env.update(resolved.env)
     if api_key is not None:
         env["VLLM_API_KEY"] = api_key.get_secret_value()
     return env
@@ -251,22 +193,26 @@ def render_invocation(
     settings: Settings,
     api_key: SecretStr | None,
     python: str = sys.executable,
+    *,
+    resolved: ResolvedEngine | None = None,
 ) -> Invocation:
-    """Profile + settings + key -> the exact vLLM invocation (pure; no I/O)."""
+    """Profile + settings + key -> the exact vLLM invocation (pure; no I/O).
+
+    ``resolved`` is `resolve(profile, settings)`, passed where the command resolved it already.
+    """
     if profile.require_api_key and api_key is None:
         raise SettingsError(
             f"profile {profile.name} requires an API key: set API_KEY_FILE (e.g. from `qwen38 key init`) "
             "or VLLM_API_KEY"
         )
-    resolved = resolve(profile, settings)
-    cache_key = compile_cache_key(profile, resolved)
-    config = _engine_config(profile, settings, resolved)
+    resolved = resolved or resolve(profile, settings)
+    cache_key = compile_cache_key(resolved)
     config_path = run_dir(settings) / f"{profile.name}.vllm.yaml"
     argv = [python, "-m", ENGINE_MODULE, "--config", str(config_path)]
     return Invocation(
         argv=argv,
-        env=_engine_env(profile, settings, api_key, cache_key),
-        config=config,
+        env=_engine_env(resolved, settings, api_key),
+        config=_engine_config(resolved, settings),
         config_path=config_path,
         cache_key=cache_key,
         model_ids=profile.model_ids,
@@ -278,8 +224,7 @@ def render_invocation(
 
 def load(args: argparse.Namespace) -> tuple[Profile, Settings, SecretStr | None]:
     settings = load_settings(profile=getattr(args, "profile", None))
-    profile = load_profile(settings.profile, settings.profiles_dir)
-    return profile, settings, read_api_key(settings)
+    return load_settings_profile(settings), settings, read_api_key(settings)
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
@@ -336,21 +281,6 @@ def exec_engine(invocation: Invocation, watcher=None) -> None:
     os.execve(invocation.argv[0], invocation.argv, env)
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from entrypoint import ready
-
-    profile, settings, key = load(args)
-    invocation = render_invocation(profile, settings, key)
-    from entrypoint.preflight import run_preflight
-
-    identity = run_preflight(profile, settings, invocation)
-    write_run_files(invocation)
-    gate = ready.Watcher(profile, settings, key, identity=identity)
-    print(f"qwen38: serving profile {profile.name} ({', '.join(profile.model_ids)}) on {gate.base_url}", flush=True)
-    exec_engine(invocation, watcher=None if args.no_ready_gate else gate.run)
-    return 0  # not reached
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     render = subparsers.add_parser(
         "render",
@@ -360,14 +290,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     render.add_argument("--profile", help="profile to render (default: the PROFILE setting)")
     render.add_argument("--json", action="store_true", help="one JSON object: argv, env, config")
     render.set_defaults(func=_cmd_render)
-
-    serve = subparsers.add_parser(
-        "serve",
-        help="verify, plan, then exec vLLM for a profile (readiness gate in a watcher)",
-        description="Run the start-up flow: verify the pinned artifacts, plan memory, render the "
-        "invocation and exec vLLM, which becomes this process; a forked watcher runs the readiness "
-        "gate and stops the server if it fails.",
-    )
-    serve.add_argument("--profile", help="profile to serve (default: the PROFILE setting)")
-    serve.add_argument("--no-ready-gate", action="store_true", help="do not run the readiness gate")
-    serve.set_defaults(func=_cmd_serve)

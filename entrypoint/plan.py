@@ -1,25 +1,28 @@
 """`qwen38 plan`: will this profile fit, before 20 GB of weights are loaded?
 
 The planner asks vLLM 0.28.0's own KV-cache functions (see `entrypoint.kv_capacity`)
-what the profile's KV pool holds: pool tokens, blocks, per-request state, maximum
-concurrency at the profile's context length, and whether that context fits while
-every slot is busy. It answers twice, against a stock and a patched view of the
-installed vLLM tree (our series changes the page layout), each in a child process.
+what the KV pool of a resolved engine (`entrypoint.resolve`) holds: pool tokens, blocks,
+per-request state, maximum concurrency at its context length, and whether that context
+fits while every slot is busy. It can answer for a stock and a patched version of the
+installed vLLM tree (our series changes the page layout), each in a child process: the
+installed tree itself when it is that version, else a view of it (`series_tree`).
 
 The engine that will serve decides which answer counts (``Plan.patched``): the
 patched one for a profile that requires the patches (the launcher refuses to serve it
 otherwise), else whatever the installed tree is. ``Plan.fits`` is vLLM's own
-admission rule: one request of the profile's max_model_len fits in the pool; when it
+admission rule: one request of the engine's max_model_len fits in the pool; when it
 is False the engine would refuse at start (`_check_enough_kv_cache_memory`).
 
-Model shapes come from the served directory's config.json when it exists, else from
-the config-only copy in ``profiles/model-configs/<artifact>/``; weight quantization
-is dropped from the copy the planner reads (it does not change the KV cache).
+Answers are kept in ``CACHE_DIR/plan/``, keyed by everything they depend on (the
+resolved engine minus what cannot change the KV cache, the model configs, the patch
+series and the tree's state, the vLLM version and the planner's own code), so a restart
+or a second `qwen38 plan` costs no vLLM import.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -28,18 +31,39 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from entrypoint.errors import PlanError, StackError
-from entrypoint.profiles import PROFILES_DIR, ModelSlot, Profile, load_profile
+from entrypoint.launch import vllm_cache_root
+from entrypoint.model_configs import ModelConfigs, read_model_configs, shape_only_copy
+from entrypoint.profiles import Profile
+from entrypoint.resolve import ResolvedEngine, check_model_limits, resolve
+from entrypoint.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL_CONFIGS_DIR = PROFILES_DIR / "model-configs"
+PLANNER_CODE = (Path(__file__).with_name("kv_capacity.py"),)
 PLAN_TIMEOUT_S = 600
 
 Variant = Literal["patched", "stock"]
+
+# Fields of the resolved engine the KV arithmetic cannot depend on; every other field is
+# part of the plan cache key (a field added later re-plans until someone says why not).
+PLAN_IGNORED = {
+    "served_model_name": "the id clients use",
+    "tool_call_parser": "API layer",
+    "reasoning_parser": "API layer",
+    "structured_outputs_config": "API layer",
+    "default_chat_template_kwargs": "API layer",
+    "seed": "sampling",
+    "target_dir": "the config.json text is hashed instead of its path",
+    "speculative.drafter_dir": "the config.json text is hashed instead of its path",
+    "lora.adapter_id": "which adapter, not its shape",
+    "lora.path": "which adapter, not its shape",
+    "lora.base_model_name": "which adapter, not its shape",
+    "overridden": "where a value came from, not the value",
+}
 
 
 @dataclass(frozen=True)
@@ -101,7 +125,7 @@ class Capacity(BaseModel):
 
 
 class Plan(BaseModel):
-    """The capacity of a profile on the engine that will serve it."""
+    """The capacity of a resolved engine on the engine that will serve it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -114,9 +138,12 @@ class Plan(BaseModel):
     max_model_len: int
     max_num_seqs: int
     pool_bytes: int
+    speculative_tokens: int
+    prefix_caching: bool
     serving: Capacity
     variants: dict[str, Capacity]
     model_configs: dict[str, str]
+    reused: bool = False  # read from the plan cache, not computed by this call
 
     def refusal_line(self) -> str:
         """One line for the launcher when the profile cannot fit."""
@@ -130,147 +157,149 @@ class Plan(BaseModel):
         )
 
 
-# ---- inputs -------------------------------------------------------------------------
+# ---- inputs (pure, but for the shape-only copies) ------------------------------------
 
 
-def _engine_values(profile: Profile, settings: Any | None) -> dict[str, Any]:
-    engine = profile.engine
-    values = {
-        "max_model_len": engine.max_model_len,
-        "max_num_seqs": engine.max_num_seqs,
-        "kv_cache_memory_bytes": engine.kv_cache_memory_bytes,
-        "enable_prefix_caching": engine.enable_prefix_caching,
-        "kv_cache_dtype": engine.kv_cache_dtype,
-        "mamba_ssm_cache_dtype": engine.mamba_ssm_cache_dtype,
-        "dtype": engine.dtype,
-        "block_size": engine.block_size,
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
-    }
-    if settings is not None:
-        for field, key in (
-            ("max_model_len", "max_model_len"),
-            ("max_num_seqs", "max_num_seqs"),
-            ("kv_cache_memory_bytes", "kv_cache_memory_bytes"),
-            ("prefix_caching", "enable_prefix_caching"),
-        ):
-            value = getattr(settings, field, None)
-            if value is not None:
-                values[key] = value
-    if values["kv_cache_memory_bytes"] is None:
+def machine_of(resolved: ResolvedEngine) -> Machine:
+    machine = MACHINES.get(resolved.machine)
+    if machine is None and resolved.cuda_arch is None:
         raise PlanError(
-            f"profile {profile.name}: engine.kv_cache_memory_bytes is not set; the planner (and a "
-            "reproducible start) needs the KV pool pinned in bytes (KV_CACHE_MEMORY_BYTES)"
-        )
-    if values["max_num_batched_tokens"] is None:
-        values["max_num_batched_tokens"] = _default_batched_tokens(profile)
-    return values
-
-
-def _default_batched_tokens(profile: Profile) -> int:
-    """vLLM 0.28.0's API-server default (engine/arg_utils.py get_batch_defaults):
-    8192 from 70 GiB of device memory, 16384 from 160 GiB, else 2048."""
-    if profile.platform != "cuda":
-        return 2048
-    memory = _machine(profile).memory_gib
-    return 16384 if memory >= 160 else 8192 if memory >= 70 else 2048
-
-
-def _machine(profile: Profile) -> Machine:
-    machine = MACHINES.get(profile.machine)
-    if machine is None and profile.cuda_arch is None:
-        raise PlanError(
-            f"profile {profile.name}: machine {profile.machine!r} is unknown to the planner "
+            f"profile {resolved.profile}: machine {resolved.machine!r} is unknown to the planner "
             f"(known: {', '.join(MACHINES)}); set cuda_arch"
         )
     capability = machine.capability if machine else (0, 0)
-    if profile.cuda_arch:
-        major, _, minor = profile.cuda_arch.partition(".")
+    if resolved.cuda_arch:
+        major, _, minor = resolved.cuda_arch.partition(".")
         capability = (int(major), int(minor or 0))
     return Machine(capability, machine.memory_gib if machine else 0)
 
 
-def config_source(slot: ModelSlot, models_dir: Path) -> Path:
-    """config.json of the served directory, else the artifact's config-only copy."""
-    served = models_dir / slot.dir / "config.json"
-    if served.is_file():
-        return served
-    if slot.artifact is not None:
-        copy = MODEL_CONFIGS_DIR / slot.artifact / "config.json"
-        if copy.is_file():
-            return copy
-    raise PlanError(
-        f"no config.json for model dir {slot.dir!r}: neither {served} nor "
-        f"{MODEL_CONFIGS_DIR / str(slot.artifact) / 'config.json'} exists; prepare the model first"
+def batched_tokens(resolved: ResolvedEngine) -> int:
+    """The engine's max_num_batched_tokens: the profile's, else vLLM 0.28.0's API-server
+    default (engine/arg_utils.py get_batch_defaults): 8192 from 70 GiB of device memory,
+    16384 from 160 GiB, else 2048."""
+    if resolved.max_num_batched_tokens is not None:
+        return resolved.max_num_batched_tokens
+    if resolved.platform != "cuda":
+        return 2048
+    memory = machine_of(resolved).memory_gib
+    return 16384 if memory >= 160 else 8192 if memory >= 70 else 2048
+
+
+def check_plannable(resolved: ResolvedEngine, configs: ModelConfigs) -> None:
+    """The refusals that need no vLLM: an unpinned pool, values the models cannot take."""
+    if resolved.kv_cache_memory_bytes is None:
+        raise PlanError(
+            f"profile {resolved.profile}: engine.kv_cache_memory_bytes is not set; the planner (and a "
+            "reproducible start) needs the KV pool pinned in bytes (KV_CACHE_MEMORY_BYTES)"
+        )
+    if resolved.platform == "cuda":
+        machine_of(resolved)
+    check_model_limits(
+        resolved,
+        configs.target.data,
+        configs.drafter.data if configs.drafter else None,
+        target_source=str(configs.target.path),
     )
 
 
-def _shape_only_copy(source: Path, dest: Path) -> str:
-    """config.json without weight quantization, in its own directory."""
-    config = json.loads(source.read_text(encoding="utf-8"))
-    config.pop("quantization_config", None)
-    if isinstance(config.get("text_config"), dict):
-        config["text_config"].pop("quantization_config", None)
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
-    return str(dest)
-
-
-def _is_dflash2(config_json: Path) -> bool:
-    config = json.loads(config_json.read_text(encoding="utf-8"))
-    return "DFlash2DraftModel" in (config.get("architectures") or [])
-
-
-def build_request(profile: Profile, settings: Any | None, workdir: Path) -> tuple[dict, dict[str, str]]:
-    models_dir = Path(getattr(settings, "models_dir", None) or "models")
-    sources = {"target": str(config_source(profile.models.target, models_dir))}
-    request: dict[str, Any] = {
-        "platform": profile.platform,
-        "device_capability": list(_machine(profile).capability) if profile.platform == "cuda" else None,
-        "engine": _engine_values(profile, settings),
-        "target_dir": _shape_only_copy(Path(sources["target"]), workdir / "target"),
+def build_request(resolved: ResolvedEngine, configs: ModelConfigs, workdir: Path) -> dict:
+    """The JSON request `entrypoint.kv_capacity` answers for one resolved engine."""
+    check_plannable(resolved, configs)
+    cuda = resolved.platform == "cuda"
+    request = {
+        "platform": resolved.platform,
+        "device_capability": list(machine_of(resolved).capability) if cuda else None,
+        "engine": {
+            "max_model_len": resolved.max_model_len,
+            "max_num_seqs": resolved.max_num_seqs,
+            "max_num_batched_tokens": batched_tokens(resolved),
+            "kv_cache_memory_bytes": resolved.kv_cache_memory_bytes,
+            "enable_prefix_caching": resolved.enable_prefix_caching,
+            "kv_cache_dtype": resolved.kv_cache_dtype,
+            "mamba_ssm_cache_dtype": resolved.mamba_ssm_cache_dtype,
+            "dtype": resolved.dtype,
+            "block_size": resolved.block_size,
+        },
+        "target_dir": shape_only_copy(configs.target, workdir / "target"),
         "speculative": None,
-        "attention_backend": (profile.engine.extra or {}).get("attention_backend"),
+        "attention_backend": resolved.attention_backend,
+        "env": resolved.env,
     }
-    speculation = getattr(settings, "speculation", None) if settings is not None else None
-    spec = profile.speculative
-    if spec is not None and speculation is not False:
+    spec = resolved.speculative
+    if spec is not None:
         # Lookup drafting widens the verify block: every slot keeps state and KV for
         # drafter depth + lookup tokens. The KV arithmetic needs only the total width,
         # so stock and patched trees plan the same request.
-        try:
-            lookup_tokens = spec.lookup_tokens(
-                getattr(settings, "lookup", None), getattr(settings, "verify_block", None)
-            )
-        except ValueError as exc:
-            raise PlanError(str(exc)) from None
-        speculative: dict[str, Any] = {
-            "method": spec.method,
-            "num_speculative_tokens": spec.num_speculative_tokens + lookup_tokens,
-        }
+        speculative: dict = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
         if spec.draft_sample_method:
             speculative["draft_sample_method"] = spec.draft_sample_method
-        if spec.uses_drafter and profile.models.drafter is not None:
-            sources["drafter"] = str(config_source(profile.models.drafter, models_dir))
-            speculative["model"] = _shape_only_copy(Path(sources["drafter"]), workdir / "drafter")
-            if lookup_tokens and _is_dflash2(Path(sources["drafter"])):
-                raise PlanError(
-                    f"LOOKUP=true: profile {profile.name}'s drafter ({profile.models.drafter.dir}) is a "
-                    f"DFlash2DraftModel, which runs on vLLM's V2 model runner; patch 0070 implements lookup "
-                    "drafting in the V1 runner's DFlash proposer only; set LOOKUP=false"
-                )
+        if configs.drafter is not None:
+            speculative["model"] = shape_only_copy(configs.drafter, workdir / "drafter")
         request["speculative"] = speculative
-    return request, sources
+    return request
+
+
+# ---- the installed tree ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tree:
+    """The installed vLLM as the planner sees it."""
+
+    vllm_dir: Path
+    series_dir: Path
+    state: Literal["patched", "stock", "partial"]
+
+    def serving(self, resolved: ResolvedEngine) -> Variant:
+        """The version of the tree that will serve: patched where the profile requires it."""
+        return "patched" if resolved.require_patches or self.state == "patched" else "stock"
+
+
+def installed_tree(vllm_dir: Path | None = None, series_dir: Path | None = None) -> Tree:
+    from entrypoint.patches import SERIES_DIR, check_series, find_vllm_dir
+
+    series_dir = series_dir or SERIES_DIR
+    vllm_dir = Path(vllm_dir) if vllm_dir else find_vllm_dir()
+    statuses = check_series(vllm_dir, series_dir)
+    if all(s.state == "present" for s in statuses):
+        state = "patched"
+    elif all(s.state == "absent" for s in statuses):
+        state = "stock"
+    else:
+        state = "partial"
+    return Tree(vllm_dir, series_dir, state)
 
 
 # ---- running vLLM's arithmetic --------------------------------------------------------
 
 
-def _run_variant(requests: list[dict], tree: Path, workdir: Path) -> list[Capacity]:
+def _one_line(message: str) -> str:
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    # A pydantic validation error: "1 validation error for X", then the field, then the message.
+    if len(lines) > 1 and "validation error" in lines[0]:
+        lines = [line for line in lines[1:] if not line.startswith("For further information")]
+        return "; ".join(lines)[:600]
+    return (lines[0] if lines else "no message")[:600]
+
+
+def _run_variant(requests: list[dict], tree: Tree, variant: Variant, workdir: Path) -> list[Capacity]:
+    """Answer ``requests`` in one child process whose ``vllm`` is ``variant`` of the tree."""
     env = dict(os.environ)
-    path = [str(tree), str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    path = [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env.pop("PYTHONPYCACHEPREFIX", None)  # the installed tree's bytecode is what makes the import cheap
+    if tree.state != variant:
+        from entrypoint.patches import series_tree
+
+        try:
+            view = series_tree(tree.vllm_dir, workdir / f"tree-{variant}", patched=variant == "patched",
+                               series_dir=tree.series_dir)
+        except StackError as exc:
+            raise PlanError(f"cannot build a {variant} view of {tree.vllm_dir}: {exc}") from None
+        path.insert(0, str(view))
+        # The view links to the installed files: read their bytecode, never write next to them.
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(path)
-    # Never write bytecode into (or next to) the installed tree the view links to.
-    env["PYTHONPYCACHEPREFIX"] = str(workdir / "pycache")
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     try:
@@ -294,70 +323,119 @@ def _run_variant(requests: list[dict], tree: Path, workdir: Path) -> list[Capaci
     capacities = []
     for result in results:
         if "error" in result:
-            raise PlanError(f"vLLM could not build the profile's engine config: {result['error']}")
+            raise PlanError(f"vLLM refuses the engine configuration: {_one_line(result['error'])}")
         capacities.append(Capacity.model_validate(result))
     return capacities
 
 
-def _serving_variant(profile: Profile, tree_is_patched: bool) -> Variant:
-    if profile.require_patches:
-        return "patched"
-    return "patched" if tree_is_patched else "stock"
+def plan_cache_key(resolved: ResolvedEngine, configs: ModelConfigs, tree: Tree) -> str:
+    """Everything a plan depends on: the resolved engine (minus `PLAN_IGNORED`), the model
+    configs it reads, the patch series and the state of the installed tree, the vLLM
+    version and the planner's code."""
+    from entrypoint.patches import series_fingerprint
+    from entrypoint.verify import installed_vllm
+    from prepare.identity import digest_of
+
+    return digest_of(
+        {
+            "engine": resolved.factors(PLAN_IGNORED),
+            "configs": {name: config.text for name, config in (("target", configs.target),
+                                                                ("drafter", configs.drafter)) if config},
+            "series": series_fingerprint(tree.series_dir),
+            "tree": [str(tree.vllm_dir), tree.state],
+            "vllm": installed_vllm(),
+            "planner": [hashlib.sha256(p.read_bytes()).hexdigest() for p in PLANNER_CODE],
+        }
+    )
 
 
-def plan_profiles(
-    items: list[tuple[Profile, Any | None]],
+def _cache_path(cache_dir: Path, resolved: ResolvedEngine, key: str, variant: Variant) -> Path:
+    return Path(cache_dir) / "plan" / f"{resolved.profile}-{key[:16]}-{variant}.json"
+
+
+def _read_cached(path: Path) -> Capacity | None:
+    try:
+        return Capacity.model_validate_json(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def plan_engines(
+    items: list[tuple[ResolvedEngine, ModelConfigs]],
     *,
     compare: bool = True,
-    vllm_dir: Path | None = None,
-    series_dir: Path | None = None,
+    cache_dir: Path | None = None,
+    tree: Tree | None = None,
 ) -> list[Plan]:
-    """Plan several (profile, settings) pairs with one vLLM process per tree version."""
-    from entrypoint.patches import SERIES_DIR, all_present, check_series, find_vllm_dir, series_tree
+    """Plan several resolved engines with at most one vLLM process per version of the
+    tree (and none for answers already in ``cache_dir``)."""
+    from prepare.atomic import atomic_write_text
 
-    series_dir = series_dir or SERIES_DIR
-    vllm_dir = Path(vllm_dir) if vllm_dir else find_vllm_dir()
-    tree_is_patched = all_present(check_series(vllm_dir, series_dir))
-    servings = [_serving_variant(profile, tree_is_patched) for profile, _ in items]
-    wanted = {v for v in servings} | ({"patched", "stock"} if compare else set())
-    with tempfile.TemporaryDirectory(prefix="qwen38-plan-") as tmp:
-        workdir = Path(tmp)
-        built = [
-            build_request(profile, settings, workdir / str(i)) for i, (profile, settings) in enumerate(items)
-        ]
-        trees = {}
-        for variant in sorted(wanted):
-            try:
-                trees[variant] = series_tree(
-                    vllm_dir, workdir / f"tree-{variant}", patched=variant == "patched", series_dir=series_dir
-                )
-            except StackError as exc:
-                raise PlanError(f"cannot build a {variant} view of {vllm_dir}: {exc}") from None
-        requests = [request for request, _ in built]
-        with ThreadPoolExecutor(max_workers=len(trees)) as pool:
-            futures = {v: pool.submit(_run_variant, requests, trees[v], workdir) for v in trees}
-            answers = {v: f.result() for v, f in futures.items()}
+    tree = tree or installed_tree()
+    servings = [tree.serving(resolved) for resolved, _ in items]
+    wanted = [sorted({s} | ({"patched", "stock"} if compare else set())) for s in servings]
+    keys = [plan_cache_key(resolved, configs, tree) if cache_dir else "" for resolved, configs in items]
+    answers: dict[tuple[int, Variant], Capacity] = {}
+    reused: set[int] = set()
+    if cache_dir is not None:
+        for index, (resolved, _) in enumerate(items):
+            for variant in wanted[index]:
+                found = _read_cached(_cache_path(cache_dir, resolved, keys[index], variant))
+                if found is not None:
+                    answers[index, variant] = found
+        reused = {i for i in range(len(items)) if all((i, v) in answers for v in wanted[i])}
+    missing = {v: [i for i in range(len(items)) if v in wanted[i] and (i, v) not in answers]
+               for v in ("patched", "stock")}
+    missing = {v: indices for v, indices in missing.items() if indices}
+    if missing:
+        with tempfile.TemporaryDirectory(prefix="qwen38-plan-") as tmp:
+            workdir = Path(tmp)
+            requests = {
+                i: build_request(items[i][0], items[i][1], workdir / str(i))
+                for i in sorted({i for indices in missing.values() for i in indices})
+            }
+
+            def for_variant(index: int, variant: Variant) -> dict:
+                # The serving tree's answer runs with the engine's own VLLM_CACHE_ROOT: the model
+                # info vLLM records there while planning is what the engine would otherwise spend
+                # a second vLLM import on at its first start (vLLM checks it by source hash).
+                root = workdir / f"vllm-cache-{variant}"
+                if cache_dir is not None and variant == servings[index] and tree.state == variant:
+                    root = vllm_cache_root(Path(cache_dir), items[index][0])
+                request = requests[index]
+                return {**request, "env": {**request["env"], "VLLM_CACHE_ROOT": str(root)}}
+
+            with ThreadPoolExecutor(max_workers=len(missing)) as pool:
+                futures = {
+                    v: pool.submit(_run_variant, [for_variant(i, v) for i in indices], tree, v, workdir)
+                    for v, indices in missing.items()
+                }
+                for variant, future in futures.items():
+                    for index, capacity in zip(missing[variant], future.result(), strict=True):
+                        answers[index, variant] = capacity
+                        if cache_dir is not None:
+                            path = _cache_path(cache_dir, items[index][0], keys[index], variant)
+                            atomic_write_text(path, capacity.model_dump_json(indent=2) + "\n")
     plans = []
-    for index, ((profile, _), (request, sources), serving) in enumerate(
-        zip(items, built, servings, strict=True)
-    ):
-        variants = {v: answers[v][index] for v in answers if compare or v == serving}
-        chosen = variants[serving]
-        engine = request["engine"]
+    for index, ((resolved, configs), serving) in enumerate(zip(items, servings, strict=True)):
+        chosen = answers[index, serving]
         plans.append(
             Plan(
-                profile=profile.name,
+                profile=resolved.profile,
                 patched=serving == "patched",
                 fits=chosen.fits,
                 pool_tokens=chosen.pool_tokens or 0,
                 max_concurrency=chosen.max_concurrency or 0.0,
                 fits_with_all_slots_busy=chosen.fits_with_all_slots_busy,
-                max_model_len=engine["max_model_len"],
-                max_num_seqs=engine["max_num_seqs"],
-                pool_bytes=engine["kv_cache_memory_bytes"],
+                max_model_len=resolved.max_model_len,
+                max_num_seqs=resolved.max_num_seqs,
+                pool_bytes=resolved.kv_cache_memory_bytes or 0,
+                speculative_tokens=resolved.speculative.num_speculative_tokens if resolved.speculative else 0,
+                prefix_caching=resolved.enable_prefix_caching,
                 serving=chosen,
-                variants=variants,
-                model_configs=sources,
+                variants={v: answers[index, v] for v in wanted[index]},
+                model_configs=configs.sources(),
+                reused=index in reused,
             )
         )
     return plans
@@ -365,63 +443,17 @@ def plan_profiles(
 
 def plan_profile(
     profile: Profile,
-    settings: Any | None = None,
+    settings: Settings,
     *,
     compare: bool = True,
-    vllm_dir: Path | None = None,
-    series_dir: Path | None = None,
+    cache_dir: Path | None = None,
+    tree: Tree | None = None,
 ) -> Plan:
-    """Plan ``profile`` (with the user's overrides in ``settings``) on the engine that
-    will serve it; with ``compare``, also on the other version of the tree."""
-    return plan_profiles([(profile, settings)], compare=compare, vllm_dir=vllm_dir, series_dir=series_dir)[0]
-
-
-def plan_cache_key(profile: Profile, settings: Any) -> str:
-    """Everything a plan depends on: the profile, the overrides, the model configs it reads,
-    the series and whether the installed tree carries it, and the vLLM version."""
-    from entrypoint.patches import all_present, check_series, find_vllm_dir, series_fingerprint
-    from entrypoint.verify import installed_vllm
-    from prepare.identity import digest_of
-
-    vllm_dir = find_vllm_dir()
-    configs = {}
-    for name, slot in profile.models:
-        if slot is not None and name in ("target", "drafter"):
-            source = config_source(slot, Path(settings.models_dir))
-            configs[name] = source.read_text() if source is not None else None
-    overrides = {
-        k: getattr(settings, k, None)
-        for k in (
-            "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "prefix_caching", "speculation", "lookup",
-            "verify_block",
-        )
-    }
-    return digest_of(
-        {
-            "profile": profile.model_dump(mode="json"),
-            "overrides": overrides,
-            "configs": configs,
-            "series": series_fingerprint(),
-            "tree_patched": all_present(check_series(vllm_dir)),
-            "vllm": installed_vllm(),
-        }
-    )
-
-
-def cached_plan(profile: Profile, settings: Any, cache_dir: Path) -> tuple[Plan, bool]:
-    """The serving plan, reused while nothing it depends on changed (a restart costs no
-    planning); returns (plan, was_cached)."""
-    from prepare.atomic import atomic_write_text
-
-    path = Path(cache_dir) / "plan" / f"{profile.name}-{plan_cache_key(profile, settings)[:16]}.json"
-    if path.is_file():
-        try:
-            return Plan.model_validate_json(path.read_text()), True
-        except ValueError:
-            path.unlink(missing_ok=True)
-    plan = plan_profile(profile, settings, compare=False)
-    atomic_write_text(path, plan.model_dump_json(indent=2) + "\n")
-    return plan, False
+    """Resolve ``profile`` with ``settings`` and plan it (see `plan_engines`)."""
+    resolved = resolve(profile, settings)
+    configs = read_model_configs(profile, resolved, settings.models_dir)
+    check_plannable(resolved, configs)
+    return plan_engines([(resolved, configs)], compare=compare, cache_dir=cache_dir, tree=tree)[0]
 
 
 # ---- CLI --------------------------------------------------------------------------
@@ -432,9 +464,11 @@ def _mib(value: int | None) -> str:
 
 
 def render_plan(plan: Plan) -> str:
+    spec = f"speculation {plan.speculative_tokens} tokens" if plan.speculative_tokens else "no speculation"
     lines = [
         f"profile {plan.profile}: {plan.max_model_len:,}-token context, {plan.max_num_seqs} slots, "
-        f"KV pool {plan.pool_bytes:,} B",
+        f"KV pool {plan.pool_bytes:,} B, prefix caching {'on' if plan.prefix_caching else 'off'}, {spec}"
+        + (" (plan reused)" if plan.reused else ""),
     ]
     order = ["patched", "stock"] if plan.patched else ["stock", "patched"]
     for name in [n for n in order if n in plan.variants]:
@@ -465,11 +499,13 @@ def render_plan(plan: Plan) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from entrypoint.settings import load_settings
+    from entrypoint.settings import load_settings, load_settings_profile
 
-    settings = load_settings(profile=args.profile) if args.profile else load_settings()
-    profile = load_profile(settings.profile)
-    plan = plan_profile(profile, settings, compare=not args.no_compare)
+    settings = load_settings(profile=args.profile)
+    profile = load_settings_profile(settings)
+    plan = plan_profile(
+        profile, settings, compare=not args.no_compare, cache_dir=None if args.no_cache else settings.cache_dir
+    )
     if args.json:
         print(plan.model_dump_json(indent=2))
     else:
@@ -484,9 +520,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "plan",
         help="compute the KV pool, slots and max context of a profile with vLLM's own functions",
         description="Ask vLLM 0.28.0's KV-cache functions whether the profile's max context fits its "
-        "KV pool, with and without our patches. Exits non-zero when it does not fit.",
+        "KV pool, with and without our patches. Exits non-zero when it does not fit. Answers are "
+        "reused from CACHE_DIR/plan while nothing they depend on changed.",
     )
     parser.add_argument("--profile", help="profile name (default: PROFILE from the settings)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--no-compare", action="store_true", help="only plan the engine that will serve")
+    parser.add_argument("--no-cache", action="store_true", help="compute afresh; do not read or write CACHE_DIR/plan")
     parser.set_defaults(func=_cmd_plan)

@@ -2,8 +2,8 @@
 
 A profile says which model directories it serves (each bound to the pinned artifact and
 the transformation it derives from), under which model ids, and the engine settings that
-shape it. It is data only; `entrypoint.launch.render_invocation` turns a profile plus the
-user's settings into the exact vLLM invocation. Every field is typed and documented here,
+shape it. It is data only; `entrypoint.resolve.resolve` turns a profile plus the user's
+settings into the engine every command runs. Every field is typed and documented here,
 once; unknown keys are rejected.
 """
 
@@ -143,6 +143,11 @@ class Engine(_Strict):
     enable_prefix_caching: bool = False
     mamba_ssm_cache_dtype: MambaDType = "auto"
     block_size: int | None = Field(default=None, ge=1)
+    attention_backend: str | None = Field(
+        default=None,
+        pattern=r"^[A-Z][A-Z0-9_]*$",
+        description="vLLM attention backend by name (e.g. TRITON_ATTN); unset: vLLM picks for the GPU.",
+    )
     enforce_eager: bool = False
     compilation_config: dict[str, Any] | None = None
     additional_config: dict[str, Any] | None = None

@@ -2,7 +2,7 @@
 
 Each benchmark is a module of this package with ``register(subparsers)``; the serving
 workloads (c1, c8, agent, depth, copy) and the micro-benchmarks of the preparation steps
-(verify, requantize, adapter) all live here, so every performance claim in the docs names
+(plan, verify, requantize, adapter) all live here, so every performance claim in the docs names
 a ``qwen38 bench ...`` command.
 """
 
@@ -14,6 +14,7 @@ import importlib
 BENCH_MODULES: tuple[str, ...] = (
     "entrypoint.bench.serving",
     "entrypoint.bench.startup",
+    "entrypoint.bench.plan",
     "entrypoint.bench.verify",
     "entrypoint.bench.requantize",
     "entrypoint.bench.adapter",

@@ -35,6 +35,7 @@ from entrypoint.errors import BenchError
 
 REPO = Path(__file__).resolve().parents[2]
 _VERIFIED = re.compile(r"qwen38: verified \S+ in ([0-9.]+) s")
+_PLANNED = re.compile(r"qwen38: (?:planned in ([0-9.]+) s|plan reused)")
 _READY = re.compile(r"qwen38: ready in ([0-9.]+) s")
 
 
@@ -121,11 +122,14 @@ def measure_start(
         raise BenchError(f"the readiness gate failed: {verdict.get('error')}")
     text = log.read_text(errors="replace")
     verified = _VERIFIED.search(text)
+    planned = _PLANNED.search(text)
     gate = _READY.search(text)
     return {
         "ready_s": round(ready_s, 2),
         "health_s": None if health_s is None else round(health_s, 2),
         "verify_s": float(verified.group(1)) if verified else None,
+        # 0.0: the plan was reused from CACHE_DIR/plan
+        "plan_s": (float(planned.group(1) or 0.0)) if planned else None,
         "gate_s": float(gate.group(1)) if gate else None,
         "stop_s": round(stop_s, 2),
         "identity": verdict.get("identity"),
@@ -136,12 +140,11 @@ def measure_start(
 def _engine_env(profile: str, workdir: Path) -> dict[str, str]:
     """The user's environment, plus a throw-away API key when the profile needs one and none is set."""
     from entrypoint.keys import init_key_file
-    from entrypoint.profiles import load_profile
-    from entrypoint.settings import load_settings
+    from entrypoint.settings import load_settings, load_settings_profile
 
     settings = load_settings(profile=profile)
     env = dict(os.environ)
-    if load_profile(profile).require_api_key and not settings.has_api_key:
+    if load_settings_profile(settings).require_api_key and not settings.has_api_key:
         key = workdir / "api_key"
         init_key_file(key)
         env["API_KEY_FILE"] = str(key)
@@ -165,7 +168,8 @@ def _cmd_startup(args: argparse.Namespace) -> int:
         runs.append(result)
         print(
             f"start {i + 1} ({kind}): `qwen38 serve --profile {args.profile}` -> ready in {result['ready_s']:.1f} s "
-            f"(/health at {result['health_s']} s; verify {result['verify_s']} s; gate {result['gate_s']} s); "
+            f"(/health at {result['health_s']} s; verify {result['verify_s']} s; plan {result['plan_s']} s; "
+            f"gate {result['gate_s']} s; load {result['loadavg_before'][0]}); "
             f"stopped in {result['stop_s']:.1f} s",
             flush=True,
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from entrypoint.client import StackClient
 from tests.conftest import launch_server, run_cli, spec_decode_delta, stop_server, wait_ready
 from tests.gpu.tiny_profiles import derive, write_profiles
 from tests.support.chain_copy import greedy_ids
+from tests.support.kv_pool import pools, serve_until_pool_logged
 
 torch = pytest.importorskip("torch")
 
@@ -44,7 +46,7 @@ def _engine_extra(name: str) -> dict:
     drafter's sliding-window layers (measured on the H100, docs/gpu.md): pin Triton attention
     there. The Spark (sm_121) and the 3090 (sm_86) keep the profile's own choice."""
     if name == "spark-lora" and torch.cuda.get_device_capability(0)[0] == 9:
-        return {"extra": {"attention-backend": "TRITON_ATTN"}}
+        return {"attention_backend": "TRITON_ATTN"}
     return {}
 
 
@@ -157,3 +159,53 @@ def test_speculation_is_lossless_on_the_gpu(gpu_servers):
         same = sum(a == b for g, p in zip(got, plain) for a, b in zip(g, p))
         _record(f"{name}.greedy_tokens_equal_to_bf16_nospec", f"{same}/{sum(map(len, plain))}")
         assert [g[:16] for g in got] == [p[:16] for p in plain], name
+
+
+@pytest.mark.parametrize("name", [*PROFILES, "single-nospec"])
+def test_plan_equals_the_pool_the_cuda_engine_logs(gpu_servers, name):
+    """What `qwen38 serve` planned before it started vLLM is the pool the engine then built."""
+    found = pools(gpu_servers[name].log.read_text(errors="replace"))
+    _record(f"{name}.pool_tokens", {"planned": found.planned_tokens, "engine": found.engine_tokens})
+    assert (found.planned_tokens, found.planned_concurrency) == (found.engine_tokens, found.engine_concurrency)
+
+
+# (profile, prefix caching, speculation) the gated servers above do not run.
+OTHER_COMBINATIONS = [
+    (name, prefix_caching, speculation)
+    for name in PROFILES
+    for prefix_caching, speculation in ((False, True), (False, False), (True, False))
+    if (name, prefix_caching, speculation) != ("single", True, False)  # single-nospec
+]
+
+
+@pytest.fixture(scope="module")
+def pool_logs(tmp_path_factory, tiny_root, api_key_file):
+    """(profile, prefix caching, speculation) -> the log of a `qwen38 serve --no-ready-gate` of
+    that tiny profile, stopped once the engine logged its KV pool. Eager (no compile, no CUDA
+    graphs) to keep eight starts cheap: the pool is pinned in bytes, so graphs do not change it
+    (the gated servers, with graphs, check that part)."""
+    profiles_dir = tmp_path_factory.mktemp("profiles-eager")
+    data = {}
+    for name in PROFILES:
+        slots = dict(TINY, adapter="tiny/adapter") if name == "spark-lora" else TINY
+        data[f"{name}-eager"] = derive(name, slots, extra_engine={**SHARE, **_engine_extra(name), "enforce_eager": True})
+    write_profiles(profiles_dir, data)
+
+    def start(case):
+        name, prefix_caching, speculation = case
+        tmp = tmp_path_factory.mktemp(f"{name}-pc{int(prefix_caching)}-spec{int(speculation)}")
+        return serve_until_pool_logged(
+            tmp, tiny_root, api_key_file, f"{name}-eager", timeout=900, PROFILES_DIR=str(profiles_dir),
+            PREFIX_CACHING=str(prefix_caching).lower(), SPECULATION=str(speculation).lower(),
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(zip(OTHER_COMBINATIONS, pool.map(start, OTHER_COMBINATIONS), strict=True))
+
+
+@pytest.mark.parametrize("case", OTHER_COMBINATIONS, ids=lambda c: f"{c[0]}-pc{int(c[1])}-spec{int(c[2])}")
+def test_plan_equals_the_cuda_engine_with_prefix_caching_and_speculation_on_and_off(pool_logs, case):
+    found = pools(pool_logs[case])
+    _record(f"{case[0]}.pc{int(case[1])}.spec{int(case[2])}.pool_tokens",
+            {"planned": found.planned_tokens, "engine": found.engine_tokens})
+    assert (found.planned_tokens, found.planned_concurrency) == (found.engine_tokens, found.engine_concurrency)

@@ -115,25 +115,15 @@ def test_lookup_accepts_more_tokens_per_verify_step_on_a_copied_document(cpu_spe
     assert on_per_step >= 5 and on_per_step > off_per_step + 4, (off_per_step, on_per_step)
 
 
-def test_plan_with_lookup_equals_the_pool_the_lookup_engine_logs(cpu_lookup_server, tiny_root, monkeypatch):
+def test_plan_with_lookup_equals_the_pool_the_lookup_engine_logs(cpu_lookup_server, cpu_spec_server):
     """The planner reserves the widened verify block exactly as the engine does."""
-    import re
-    from types import SimpleNamespace
+    from tests.support.kv_pool import pools
 
-    from entrypoint.plan import plan_profile
-    from entrypoint.profiles import load_profile
-    from tests.support.vllm_views import child_pythonpath
-
-    monkeypatch.setenv("PYTHONPATH", child_pythonpath())  # the planner's vLLM child process
-
-    found = re.search(r"GPU KV cache size: ([\d,]+) tokens", cpu_lookup_server.log.read_text())
-    assert found
-    settings = SimpleNamespace(models_dir=tiny_root, speculation=True, prefix_caching=False, lookup=True)
-    plan = plan_profile(load_profile("cpu"), settings, compare=False)
-    without = plan_profile(load_profile("cpu"), SimpleNamespace(models_dir=tiny_root, speculation=True,
-                                                                prefix_caching=False), compare=False)
-    assert plan.pool_tokens == int(found[1].replace(",", ""))
-    assert plan.pool_tokens < without.pool_tokens  # wider speculative state per slot
+    lookup = pools(cpu_lookup_server.log.read_text())
+    assert lookup.planned_tokens == lookup.engine_tokens
+    assert lookup.planned_concurrency == lookup.engine_concurrency
+    # wider speculative state per slot than with the drafter alone
+    assert lookup.planned_tokens < pools(cpu_spec_server.log.read_text()).planned_tokens
 
 
 def test_sigterm_stops_the_engine_and_leaves_nothing_running(cpu_spec_server):

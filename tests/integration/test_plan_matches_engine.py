@@ -1,77 +1,50 @@
-"""The planner against the engine it predicts: for a tiny Qwen3.5 hybrid on the CPU
-engine, `plan_profile` reports the same "GPU KV cache size" and maximum concurrency
-that the real vLLM 0.28.0 engine logs when it starts with the same settings."""
+"""The planner against the engine it predicts: `qwen38 serve --profile cpu` prints the KV
+pool it planned before it starts vLLM, and the real vLLM 0.28.0 CPU engine then logs its
+own ("GPU KV cache size: N tokens, Maximum concurrency ... X.XXx"). They are the same for
+prefix caching on and off and speculation on and off. (The CPU build cannot run
+speculation with prefix caching on the hybrid target: every command refuses that alike,
+tests/unit/test_resolve.py.) The session servers cover two cases; the third starts the
+engine only until it has logged its pool."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-from types import SimpleNamespace
+import json
 
 import pytest
 
-from entrypoint.plan import plan_profile
-from entrypoint.profiles import Profile
-from tests.support.tiny_hybrid import build_tiny_hybrid
-from tests.support.vllm_views import child_pythonpath, run_python, vllm_views  # noqa: F401
+from entrypoint.patches import all_present, check_series, find_vllm_dir
+from tests.conftest import run_cli
+from tests.support.kv_pool import pools, serve_until_pool_logged
 
 pytestmark = pytest.mark.integration
 
-ENGINE = r"""
-import sys
-from vllm import LLM
 
-
-def main(path):
-    LLM(model=path, skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20, mamba_ssm_cache_dtype="float32",
-        max_model_len=512, max_num_seqs=4, enforce_eager=True, dtype="bfloat16", enable_prefix_caching=False)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
-"""
-
-
-def test_cpu_plan_equals_what_the_engine_logs(vllm_views, tmp_path_factory, tmp_path, monkeypatch):
-    models = tmp_path_factory.mktemp("models")
-    tiny = build_tiny_hybrid(models / "build")
-    (models / "tiny-hybrid").symlink_to(tiny["dequantized"])
-    profile = Profile.model_validate(
-        {
-            "name": "cpu-tiny",
-            "description": "tiny hybrid on the CPU engine",
-            "platform": "cpu",
-            "machine": "any",
-            "served": {"base": "tiny"},
-            "models": {"target": {"dir": "tiny-hybrid", "generated": "tiny"}},
-            "engine": {
-                "max_model_len": 512,
-                "max_num_seqs": 4,
-                "kv_cache_memory_bytes": 64 << 20,
-                "mamba_ssm_cache_dtype": "float32",
-                "dtype": "bfloat16",
-                "enable_prefix_caching": False,
-            },
-        }
-    )
-    monkeypatch.setenv("PYTHONPATH", child_pythonpath())
-    plan = plan_profile(profile, SimpleNamespace(models_dir=Path(models)), compare=False)
-
-    script = tmp_path / "engine.py"
-    script.write_text(ENGINE)
-    code = f"import runpy, sys; sys.argv = ['e', {str(tiny['dequantized'])!r}]; runpy.run_path({str(script)!r}, run_name='__main__')"
-    done = run_python(
-        code, None, vllm_views["pycache"], timeout=1200, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="INFO"
-    )
-    logs = done.stdout + done.stderr
-    found = re.search(
-        r"GPU KV cache size: ([\d,]+) tokens, Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x",
-        logs,
-    )
-    assert found, logs[-3000:]
-    assert plan.pool_tokens == int(found[1].replace(",", ""))
-    assert f"{plan.max_concurrency:.2f}" == found[2]
+def _assert_plan_is_the_engines(log: str) -> None:
+    found = pools(log)
+    assert found.planned_tokens == found.engine_tokens, found
+    assert found.planned_concurrency == found.engine_concurrency, found
     # The plan answers for the tree that serves: the installed one (patched by `make setup`).
-    from entrypoint.patches import all_present, check_series, find_vllm_dir
+    assert (found.tree == "patched") == all_present(check_series(find_vllm_dir()))
 
-    assert plan.patched == all_present(check_series(find_vllm_dir())) and plan.fits
+
+def test_plan_equals_the_engine_with_prefix_caching_and_without_speculation(cpu_server):
+    _assert_plan_is_the_engines(cpu_server.log.read_text())
+
+
+def test_plan_equals_the_engine_with_speculation_and_without_prefix_caching(cpu_spec_server):
+    _assert_plan_is_the_engines(cpu_spec_server.log.read_text())
+
+
+def test_plan_equals_the_engine_without_prefix_caching_or_speculation(tiny_root, api_key_file, tmp_path):
+    log = serve_until_pool_logged(tmp_path, tiny_root, api_key_file, PREFIX_CACHING="false", SPECULATION="false")
+    _assert_plan_is_the_engines(log)
+
+
+def test_qwen38_plan_answers_what_serve_planned_from_the_same_cache_entry(cpu_server):
+    """`qwen38 plan` and `qwen38 serve` resolve the same engine and key the same plan: with
+    the server's settings the command reuses the plan serve made, without vLLM."""
+    done = run_cli("plan", "--profile", "cpu", "--json", "--no-compare", env=cpu_server.env, cwd=cpu_server.log.parent)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["reused"] is True
+    assert plan["pool_tokens"] == pools(cpu_server.log.read_text()).engine_tokens

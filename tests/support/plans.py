@@ -1,15 +1,23 @@
-"""One planner run (two vLLM processes: stock and patched tree) shared by the tests
-that check the capacity figures and the page-layout patch."""
+"""Settings as a user without a .env would have them, and one planner run (two vLLM
+processes: stock and patched tree) shared by the tests that check the capacity figures
+and the page-layout patch."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 
 from tests.support.vllm_views import child_pythonpath
+
+# The knobs that override a profile: None unless a test sets them, so nothing from the
+# developer's shell leaks into a resolution.
+OVERRIDES = (
+    "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "speculation", "lookup", "verify_block",
+    "prefix_caching", "enable_thinking",
+)  # fmt: skip
 
 # (profile, prefix caching override); None keeps the profile's own setting.
 SEED_CASES = (
@@ -21,23 +29,42 @@ SEED_CASES = (
 )
 
 
+def user_settings(profile: str = "cpu", **values):
+    """`Settings` for ``profile`` with exactly ``values`` overridden (no .env, no knob from
+    the environment); ``models_dir`` defaults to a directory with no models in it."""
+    from entrypoint.settings import Settings
+
+    values = {**dict.fromkeys(OVERRIDES), **values}
+    values.setdefault("models_dir", Path("/nonexistent-models"))
+    return Settings(_env_file=None, profile=profile, **values)
+
+
+@pytest.fixture
+def planner_pythonpath(monkeypatch):
+    """The planner's vLLM child finds this checkout (and the torchvision stand-in)."""
+    monkeypatch.setenv("PYTHONPATH", child_pythonpath())
+
+
 @pytest.fixture(scope="session")
 def seed_plans(tmp_path_factory):
     """{(profile, prefix_caching): Plan} for the provisional profiles, both trees."""
-    from entrypoint.plan import plan_profiles
+    from entrypoint.model_configs import read_model_configs
+    from entrypoint.plan import plan_engines
     from entrypoint.profiles import load_profile
+    from entrypoint.resolve import resolve
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed in this environment")
     models_dir = tmp_path_factory.mktemp("no-models")  # no served dirs: the config copies are used
-    items = [
-        (load_profile(name), SimpleNamespace(models_dir=models_dir, prefix_caching=pc))
-        for name, pc in SEED_CASES
-    ]
+    items = []
+    for name, pc in SEED_CASES:
+        profile = load_profile(name)
+        resolved = resolve(profile, user_settings(name, models_dir=models_dir, prefix_caching=pc))
+        items.append((resolved, read_model_configs(profile, resolved, models_dir)))
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = child_pythonpath()
     try:
-        plans = plan_profiles(items, compare=True)
+        plans = plan_engines(items, compare=True)
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)

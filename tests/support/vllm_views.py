@@ -30,11 +30,13 @@ def real_shapes_as_cuda_prelude() -> str:
         "import tempfile\n"
         "from pathlib import Path\n"
         "from entrypoint.kv_capacity import _emulate_cuda\n"
-        "from entrypoint.plan import _shape_only_copy\n"
+        "from entrypoint.model_configs import ModelConfig, shape_only_copy\n"
         "_emulate_cuda(True)\n"
         "work = Path(tempfile.mkdtemp())\n"
-        f"target = _shape_only_copy(Path({str(configs / 'qwen3.8-27b-w4a16' / 'config.json')!r}), work / 't')\n"
-        f"drafter = _shape_only_copy(Path({str(configs / 'qwen3.8-27b-dflash2' / 'config.json')!r}), work / 'd')\n"
+        "def _copy(path, dest):\n"
+        "    return shape_only_copy(ModelConfig(Path(path), Path(path).read_text()), dest)\n"
+        f"target = _copy({str(configs / 'qwen3.8-27b-w4a16' / 'config.json')!r}, work / 't')\n"
+        f"drafter = _copy({str(configs / 'qwen3.8-27b-dflash2' / 'config.json')!r}, work / 'd')\n"
     )
 
 

@@ -22,7 +22,7 @@ def test_tiny_gpu_profile_keeps_the_engine_settings_and_vllm_parses_it(name, tmp
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     slots = dict(SLOTS, adapter="tiny/adapter") if name == "spark-lora" else SLOTS
-    hopper = {"extra": {"attention-backend": "TRITON_ATTN"}} if name == "spark-lora" else {}
+    hopper = {"attention_backend": "TRITON_ATTN"} if name == "spark-lora" else {}
     data = derive(name, slots, extra_engine={"gpu_memory_utilization": 0.15, **hopper})
     directory = write_profiles(tmp_path / "profiles", {f"{name}-tiny": data})
     tiny, real = load_profile(f"{name}-tiny", directory), load_profile(name)

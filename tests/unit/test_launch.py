@@ -10,8 +10,9 @@ import pytest
 from pydantic import SecretStr
 
 from entrypoint.errors import SettingsError
-from entrypoint.launch import ENGINE_MODULE, compile_cache_key, render_invocation, resolve
+from entrypoint.launch import ENGINE_MODULE, compile_cache_key, render_invocation
 from entrypoint.profiles import load_profile, profile_names
+from entrypoint.resolve import resolve
 from entrypoint.settings import Settings
 from tests.conftest import clean_env, run_cli
 
@@ -91,7 +92,7 @@ def test_overrides_replace_profile_values():
 
 def test_cpu_profile_refuses_speculation_with_prefix_caching_and_says_how_to_choose():
     profile = load_profile("cpu")
-    assert resolve(profile, settings()).speculation is False
+    assert resolve(profile, settings()).speculative is None
     with pytest.raises(SettingsError, match="set SPECULATION=false or PREFIX_CACHING=false"):
         render_invocation(profile, settings(speculation=True), KEY)
     inv = render_invocation(profile, settings(speculation=True, prefix_caching=False), KEY)
@@ -111,12 +112,14 @@ def test_a_profile_that_requires_a_key_refuses_to_render_without_one():
 
 def test_compile_cache_is_keyed_by_what_shapes_the_graphs():
     profile = load_profile("single")
-    base = compile_cache_key(profile, resolve(profile, settings(profile="single")))
-    assert base == compile_cache_key(profile, resolve(profile, settings(profile="single", port=1234)))
+    base = compile_cache_key(resolve(profile, settings(profile="single")))
+    assert base == compile_cache_key(resolve(profile, settings(profile="single", port=1234)))
     deeper = profile.model_copy(update={"speculative": profile.speculative.model_copy(update={"num_speculative_tokens": 5})})
-    assert compile_cache_key(deeper, resolve(deeper, settings(profile="single"))) != base
-    assert compile_cache_key(profile, resolve(profile, settings(profile="single", speculation=False))) != base
-    assert compile_cache_key(profile, resolve(profile, settings(profile="single", max_num_seqs=4))) != base
+    assert compile_cache_key(resolve(deeper, settings(profile="single"))) != base
+    assert compile_cache_key(resolve(profile, settings(profile="single", speculation=False))) != base
+    assert compile_cache_key(resolve(profile, settings(profile="single", max_num_seqs=4))) != base
+    # The pool's size shapes no graph: a bigger pool reuses the compiled artifacts.
+    assert compile_cache_key(resolve(profile, settings(profile="single", kv_cache_memory_bytes=6 << 30))) == base
 
 
 @pytest.mark.parametrize("name", sorted(profile_names()))
@@ -165,7 +168,8 @@ def test_lookup_is_off_by_default_and_renders_nothing_new():
         profile = load_profile(name)
         if profile.speculative is None:
             continue
-        assert resolve(profile, settings(profile=name, prefix_caching=False)).lookup_tokens == 0
+        resolved = resolve(profile, settings(profile=name, speculation=True, prefix_caching=False))
+        assert resolved.speculative.lookup_tokens == 0
         inv = render_invocation(profile, settings(profile=name, speculation=True, prefix_caching=False), KEY)
         assert "lookup_tokens" not in inv.config["speculative-config"]
         assert inv.config["speculative-config"]["num_speculative_tokens"] == profile.speculative.num_speculative_tokens
@@ -209,10 +213,10 @@ def test_verify_block_outside_8_to_16_is_refused_by_the_settings():
 
 def test_lookup_changes_the_compile_cache_key_with_the_verify_width():
     profile = load_profile("single")
-    base = compile_cache_key(profile, resolve(profile, settings(profile="single")))
-    wide = compile_cache_key(profile, resolve(profile, settings(profile="single", lookup=True)))
+    base = compile_cache_key(resolve(profile, settings(profile="single")))
+    wide = compile_cache_key(resolve(profile, settings(profile="single", lookup=True)))
     assert wide != base
-    assert base == compile_cache_key(profile, resolve(profile, settings(profile="single", lookup=False)))
+    assert base == compile_cache_key(resolve(profile, settings(profile="single", lookup=False)))
 
 
 def test_vllms_own_parser_accepts_the_lookup_speculative_config(tmp_path):

@@ -1,21 +1,33 @@
-"""`qwen38 plan`: the planner's inputs, its report, and the launcher's refusal."""
+"""`qwen38 plan`: the planner's inputs come from the one resolution, its cache key covers
+what a plan depends on, and impossible values are refused before vLLM is started."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from entrypoint.errors import PlanError
-from entrypoint.plan import MODEL_CONFIGS_DIR, _engine_values, _shape_only_copy, build_request, config_source
+from entrypoint.errors import PlanError, ProfileError, SettingsError
+from entrypoint.model_configs import MODEL_CONFIGS_DIR, ModelConfig, config_source, read_model_configs, shape_only_copy
+from entrypoint.patches import SERIES_DIR
+from entrypoint.plan import PLAN_IGNORED, Tree, build_request, check_plannable, plan_cache_key
 from entrypoint.profiles import load_profile
-from tests.support.plans import seed_plans  # noqa: F401
+from entrypoint.resolve import field_paths, resolve
+from tests.conftest import clean_env, run_cli
+from tests.support.plans import seed_plans, user_settings  # noqa: F401
 from tests.support.vllm_views import child_pythonpath
+
+TREE = Tree(Path("/installed/vllm"), SERIES_DIR, "patched")
+
+
+def _inputs(name: str, models_dir: Path, **values):
+    profile = load_profile(name)
+    resolved = resolve(profile, user_settings(name, models_dir=models_dir, **values))
+    return resolved, read_model_configs(profile, resolved, models_dir)
 
 
 def test_served_config_is_preferred_over_the_config_only_copy(tmp_path):
@@ -36,38 +48,142 @@ def test_generated_model_without_its_directory_is_a_plan_error(tmp_path):
 
 def test_weight_quantization_is_dropped_from_the_copy_vllm_reads(tmp_path):
     source = MODEL_CONFIGS_DIR / "qwen3.8-27b-w4a16" / "config.json"
-    copy = json.loads((Path(_shape_only_copy(source, tmp_path / "t")) / "config.json").read_text())
+    copy_dir = shape_only_copy(ModelConfig(source, source.read_text()), tmp_path / "t")
+    copy = json.loads((Path(copy_dir) / "config.json").read_text())
     assert "quantization_config" not in copy
     assert copy["text_config"]["layer_types"] == json.loads(source.read_text())["text_config"]["layer_types"]
 
 
-def test_overrides_from_settings_win_and_unpinned_pool_is_refused():
-    profile = load_profile("single")
-    values = _engine_values(
-        profile, SimpleNamespace(max_model_len=32768, max_num_seqs=None, prefix_caching=False)
-    )
-    assert values["max_model_len"] == 32768 and values["max_num_seqs"] == 8
-    assert values["enable_prefix_caching"] is False
-    unpinned = profile.model_copy(
-        update={"engine": profile.engine.model_copy(update={"kv_cache_memory_bytes": None})}
-    )
+def test_overrides_from_settings_reach_the_request_and_an_unpinned_pool_is_refused(tmp_path):
+    resolved, configs = _inputs("single", tmp_path, max_model_len=32768, prefix_caching=False)
+    engine = build_request(resolved, configs, tmp_path / "w")["engine"]
+    assert engine["max_model_len"] == 32768 and engine["max_num_seqs"] == 8
+    assert engine["enable_prefix_caching"] is False
+    unpinned = resolved.model_copy(update={"kv_cache_memory_bytes": None})
     with pytest.raises(PlanError, match="kv_cache_memory_bytes"):
-        _engine_values(unpinned, None)
+        check_plannable(unpinned, configs)
 
 
 def test_request_carries_the_drafter_and_the_gpu(tmp_path):
-    request, sources = build_request(
-        load_profile("long"), SimpleNamespace(models_dir=tmp_path), tmp_path / "w"
-    )
+    resolved, configs = _inputs("long", tmp_path)
+    request = build_request(resolved, configs, tmp_path / "w")
     assert request["platform"] == "cuda" and request["device_capability"] == [8, 6]
-    assert (
-        request["speculative"]["method"] == "dflash" and request["speculative"]["num_speculative_tokens"] == 7
+    assert request["speculative"]["method"] == "dflash" and request["speculative"]["num_speculative_tokens"] == 7
+    assert configs.sources()["drafter"].endswith("qwen3.8-27b-dflash2-w4a16/config.json")
+    resolved, configs = _inputs("long", tmp_path, speculation=False)
+    assert build_request(resolved, configs, tmp_path / "x")["speculative"] is None
+    assert configs.drafter is None  # a drafter that does not run is not read either
+
+
+def test_cpu_plan_has_no_drafter_unless_speculation_is_turned_on(tiny_root, tmp_path):
+    """The `cpu` profile ships with speculation off: the planner must not count the drafter
+    the launch leaves off (it once planned 21,425 tokens where the engine had 64,275)."""
+    resolved, configs = _inputs("cpu", tiny_root)
+    assert build_request(resolved, configs, tmp_path / "a")["speculative"] is None
+    resolved, configs = _inputs("cpu", tiny_root, speculation=True, prefix_caching=False)
+    spec = build_request(resolved, configs, tmp_path / "b")["speculative"]
+    assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 4
+
+
+def test_attention_backend_named_by_a_profile_reaches_the_planner(tmp_path):
+    profile = load_profile("spark-lora")
+    pinned = profile.model_copy(
+        update={"engine": profile.engine.model_copy(update={"attention_backend": "TRITON_ATTN"})}
     )
-    assert sources["drafter"].endswith("qwen3.8-27b-dflash2-w4a16/config.json")
-    no_spec, _ = build_request(
-        load_profile("long"), SimpleNamespace(models_dir=tmp_path, speculation=False), tmp_path / "x"
+    resolved = resolve(pinned, user_settings("spark-lora", models_dir=tmp_path))
+    request = build_request(resolved, read_model_configs(pinned, resolved, tmp_path), tmp_path / "w")
+    assert request["attention_backend"] == "TRITON_ATTN"
+
+
+def test_lookup_widens_the_speculative_width_the_planner_reserves(tiny_root, tmp_path):
+    """Each slot keeps state/KV for every verify position: drafter depth + lookup tokens."""
+    off = build_request(*_inputs("cpu", tiny_root, speculation=True, prefix_caching=False), tmp_path / "a")
+    on = build_request(
+        *_inputs("cpu", tiny_root, speculation=True, prefix_caching=False, lookup=True, verify_block=16),
+        tmp_path / "b",
     )
-    assert no_spec["speculative"] is None
+    assert off["speculative"]["num_speculative_tokens"] == 4
+    assert on["speculative"]["num_speculative_tokens"] == 15
+    assert "lookup_tokens" not in on["speculative"]  # stock trees plan the same width
+
+
+def test_lookup_with_a_dflash2_drafter_is_refused_before_loading(tmp_path):
+    """DFlash2 runs on vLLM's V2 runner, where patch 0070 has no lookup drafting yet."""
+    resolved, configs = _inputs("single", tmp_path, lookup=True)
+    with pytest.raises(SettingsError, match="DFlash2DraftModel.*set LOOKUP=false"):
+        check_plannable(resolved, configs)
+
+
+def test_a_context_above_the_models_positions_is_refused_in_one_line(tmp_path):
+    resolved, configs = _inputs("single", tmp_path, max_model_len=10_000_000)
+    with pytest.raises(SettingsError) as info:
+        check_plannable(resolved, configs)
+    assert str(info.value).startswith("MAX_MODEL_LEN=10000000: above the 262,144 positions the model is made for")
+    assert "use at most 262,144" in str(info.value) and "\n" not in str(info.value)
+    profile = load_profile("single")
+    longer = profile.model_copy(update={"engine": profile.engine.model_copy(update={"max_model_len": 300_000})})
+    resolved = resolve(longer, user_settings("single", models_dir=tmp_path))
+    with pytest.raises(ProfileError, match="profile single: engine.max_model_len = 300000: above"):
+        check_plannable(resolved, read_model_configs(longer, resolved, tmp_path))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the changed values are not of the field's type
+def test_plan_cache_key_covers_every_field_but_the_ignored_ones(tmp_path):
+    resolved, configs = _inputs("spark-lora", tmp_path)
+    base = plan_cache_key(resolved, configs, TREE)
+    assert set(PLAN_IGNORED) <= set(field_paths())
+    for path in field_paths():
+        parent, _, leaf = path.partition(".")
+        if leaf:
+            nested = getattr(resolved, parent).model_copy(update={leaf: f"changed {path}"})
+            changed = resolved.model_copy(update={parent: nested})
+        elif path in ("speculative", "lora"):
+            continue  # their fields are changed one by one
+        else:
+            changed = resolved.model_copy(update={path: f"changed {path}"})
+        same = plan_cache_key(changed, configs, TREE) == base
+        assert same == (path in PLAN_IGNORED), path
+
+
+def test_plan_cache_key_follows_the_model_config_and_the_tree(tmp_path):
+    resolved, configs = _inputs("single", tmp_path)
+    base = plan_cache_key(resolved, configs, TREE)
+    edited = configs.target.text.replace('"num_hidden_layers": 64', '"num_hidden_layers": 62')
+    assert edited != configs.target.text
+    other = type(configs)(ModelConfig(configs.target.path, edited), configs.drafter)
+    assert plan_cache_key(resolved, other, TREE) != base
+    assert plan_cache_key(resolved, configs, Tree(TREE.vllm_dir, TREE.series_dir, "stock")) != base
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"LOOKUP": "true", "SPECULATION": "false"}, "qwen38: settings: LOOKUP=true: lookup drafting extends"),
+        ({"SPECULATION": "true", "PREFIX_CACHING": "true"}, "qwen38: settings: profile cpu: the CPU build cannot"),
+        ({"MAX_MODEL_LEN": "10000000"}, "qwen38: settings: MAX_MODEL_LEN=10000000: above the 32,768 positions"),
+    ],
+)
+def test_plan_refuses_impossible_settings_at_once_like_every_command(tiny_root, tmp_path, env, message):
+    env = clean_env(MODELS_DIR=str(tiny_root), CACHE_DIR=str(tmp_path / "cache"), **env)
+    start = time.monotonic()
+    done = run_cli("plan", "--profile", "cpu", env=env, cwd=tmp_path)
+    assert time.monotonic() - start < 20  # no vLLM was imported (that alone takes longer here)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(message) and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_plan_reads_the_profile_from_profiles_dir(tmp_path):
+    """A profile that exists only in PROFILES_DIR is the one planned (refused here, cheaply,
+    for a context its model cannot take: the refusal names it)."""
+    mine = tmp_path / "profiles"
+    mine.mkdir()
+    text = (MODEL_CONFIGS_DIR.parent / "single.toml").read_text().replace("max_model_len = 65536",
+                                                                         "max_model_len = 300000")
+    (mine / "mine.toml").write_text(text)
+    env = clean_env(PROFILES_DIR=str(mine), MODELS_DIR=str(tmp_path / "m"), CACHE_DIR=str(tmp_path / "c"))
+    done = run_cli("plan", "--profile", "mine", env=env, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.startswith("qwen38: profile: profile mine: engine.max_model_len = 300000: above"), done.stderr
 
 
 @pytest.mark.slow
@@ -115,7 +231,8 @@ def test_refusal_line_names_context_pool_and_what_fits(seed_plans):
 
 @pytest.mark.slow
 def test_cli_refuses_a_context_that_does_not_fit(tmp_path):
-    env = dict(os.environ, PYTHONPATH=child_pythonpath(), MODELS_DIR=str(tmp_path), MAX_MODEL_LEN="262144")
+    env = clean_env(MODELS_DIR=str(tmp_path), CACHE_DIR=str(tmp_path / "cache"), MAX_MODEL_LEN="262144")
+    env["PYTHONPATH"] = child_pythonpath()
     done = subprocess.run(
         [sys.executable, "-m", "entrypoint.cli", "plan", "--profile", "long", "--json", "--no-compare"],
         capture_output=True,
@@ -129,23 +246,3 @@ def test_cli_refuses_a_context_that_does_not_fit(tmp_path):
     plan = json.loads(done.stdout[done.stdout.index("{") :])
     assert plan["fits"] is False and plan["patched"] is True and list(plan["variants"]) == ["patched"]
     assert "262,144-token request does not fit" in done.stderr and "Traceback" not in done.stderr
-
-
-def test_lookup_widens_the_speculative_width_the_planner_reserves(tiny_root, tmp_path):
-    """Each slot keeps state/KV for every verify position: drafter depth + lookup tokens."""
-    cpu = load_profile("cpu")
-    off, _ = build_request(cpu, SimpleNamespace(models_dir=tiny_root, speculation=True), tmp_path / "a")
-    on, _ = build_request(cpu, SimpleNamespace(models_dir=tiny_root, speculation=True, lookup=True,
-                                               verify_block=16), tmp_path / "b")
-    assert off["speculative"]["num_speculative_tokens"] == 4
-    assert on["speculative"]["num_speculative_tokens"] == 15
-    assert "lookup_tokens" not in on["speculative"]  # stock trees plan the same width
-    with pytest.raises(PlanError, match="VERIFY_BLOCK=8"):
-        build_request(load_profile("single"), SimpleNamespace(models_dir=tmp_path, lookup=True, verify_block=8),
-                      tmp_path / "c")
-
-
-def test_lookup_with_a_dflash2_drafter_is_refused_before_loading(tmp_path):
-    """DFlash2 runs on vLLM's V2 runner, where patch 0070 has no lookup drafting yet."""
-    with pytest.raises(PlanError, match="DFlash2DraftModel.*set LOOKUP=false"):
-        build_request(load_profile("single"), SimpleNamespace(models_dir=tmp_path, lookup=True), tmp_path / "w")

@@ -1,0 +1,91 @@
+"""The config.json files that give a resolved engine's models their shapes.
+
+A model's shapes come from the served directory's config.json when it exists, else from
+the config-only copy in ``profiles/model-configs/<artifact>/`` (so a GPU profile can be
+planned on a machine that never downloaded its 20 GB). The planner hands vLLM a copy
+without the weight quantization (it does not change the KV cache), and the plan cache key
+hashes the text read here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from entrypoint.errors import PlanError
+from entrypoint.profiles import PROFILES_DIR, ModelSlot, Profile
+from entrypoint.resolve import ResolvedEngine
+
+MODEL_CONFIGS_DIR = PROFILES_DIR / "model-configs"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model's config.json: where it was read and what it says."""
+
+    path: Path
+    text: str
+
+    @property
+    def data(self) -> dict[str, Any]:
+        return json.loads(self.text)
+
+
+@dataclass(frozen=True)
+class ModelConfigs:
+    """The configs a resolved engine reads: the target, and the drafter when it runs."""
+
+    target: ModelConfig
+    drafter: ModelConfig | None
+
+    def sources(self) -> dict[str, str]:
+        found = {"target": str(self.target.path)}
+        if self.drafter is not None:
+            found["drafter"] = str(self.drafter.path)
+        return found
+
+
+def config_source(slot: ModelSlot, models_dir: Path) -> Path:
+    """config.json of the served directory, else the artifact's config-only copy."""
+    served = models_dir / slot.dir / "config.json"
+    if served.is_file():
+        return served
+    if slot.artifact is not None:
+        copy = MODEL_CONFIGS_DIR / slot.artifact / "config.json"
+        if copy.is_file():
+            return copy
+    raise PlanError(
+        f"no config.json for model dir {slot.dir!r}: neither {served} nor "
+        f"{MODEL_CONFIGS_DIR / str(slot.artifact) / 'config.json'} exists; prepare the model first"
+    )
+
+
+def _read(path: Path) -> ModelConfig:
+    text = path.read_text(encoding="utf-8")
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{path}: not valid JSON ({exc})") from None
+    return ModelConfig(path, text)
+
+
+def read_model_configs(profile: Profile, resolved: ResolvedEngine, models_dir: Path) -> ModelConfigs:
+    """The target's config, and the drafter's when the resolved engine drafts with it."""
+    target = _read(config_source(profile.models.target, Path(models_dir)))
+    drafter = None
+    if resolved.speculative is not None and resolved.speculative.drafter_dir and profile.models.drafter:
+        drafter = _read(config_source(profile.models.drafter, Path(models_dir)))
+    return ModelConfigs(target, drafter)
+
+
+def shape_only_copy(config: ModelConfig, dest: Path) -> str:
+    """The config without weight quantization, alone in directory ``dest`` (returned)."""
+    data = config.data
+    data.pop("quantization_config", None)
+    if isinstance(data.get("text_config"), dict):
+        data["text_config"].pop("quantization_config", None)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "config.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
+    return str(dest)

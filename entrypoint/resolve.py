@@ -1,0 +1,303 @@
+"""Resolve: a profile plus the user's settings become one typed engine description.
+
+`resolve` is the one place where a profile's engine table, its speculative and LoRA
+sections and the overrides in `Settings` meet. Rendering the vLLM invocation, planning its
+memory, the plan cache key and the compile cache key all read the same `ResolvedEngine`,
+computed once per command, so they cannot disagree about what will run (they once did:
+the planner counted a drafter the launch left off). Knobs that conflict raise one
+`SettingsError` line, the same for every command.
+
+`ResolvedEngine.digest` hashes the whole description minus an explicit ignore list, as
+vLLM's own `compute_hash` does: a field added here is part of every cache key unless an
+ignore list says why it is not.
+
+`check_model_limits` refuses values the model itself cannot take (a context above its
+position limit, lookup drafting with a drafter that cannot do it) from its config.json,
+before anything as slow as vLLM is started. Everything here is pure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from entrypoint.errors import ProfileError, SettingsError
+from entrypoint.profiles import Profile
+from entrypoint.settings import Settings
+
+# What the user can override, and the knob (environment name) that does it.
+KNOBS = {
+    "max_model_len": "MAX_MODEL_LEN",
+    "max_num_seqs": "MAX_NUM_SEQS",
+    "kv_cache_memory_bytes": "KV_CACHE_MEMORY_BYTES",
+    "enable_prefix_caching": "PREFIX_CACHING",
+    "speculation": "SPECULATION",
+    "lookup": "LOOKUP",
+    "verify_block": "VERIFY_BLOCK",
+    "enable_thinking": "ENABLE_THINKING",
+}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ResolvedSpeculative(_Frozen):
+    """Speculative decoding as the engine runs it."""
+
+    method: str
+    drafter_tokens: int  # the drafter's depth (the profile's num_speculative_tokens)
+    lookup_tokens: int  # verify positions past the drafter's, filled by lookup drafting (patch 0070)
+    draft_sample_method: str | None
+    drafter_dir: str | None  # absolute; None for methods without a drafter model
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """What vLLM verifies per step (its `num_speculative_tokens`)."""
+        return self.drafter_tokens + self.lookup_tokens
+
+
+class ResolvedLora(_Frozen):
+    """The adapter served beside the base through vLLM's native per-request LoRA."""
+
+    adapter_id: str
+    path: str  # absolute
+    base_model_name: str
+    max_lora_rank: int
+    max_loras: int
+
+
+class ResolvedEngine(_Frozen):
+    """Everything the engine of one command will run with, after the user's overrides."""
+
+    profile: str
+    platform: Literal["cpu", "cuda"]
+    machine: str
+    cuda_arch: str | None
+    require_patches: bool
+    target_dir: str  # absolute
+    served_model_name: str
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None  # None: vLLM's default for the device
+    kv_cache_dtype: str
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float | None
+    enable_prefix_caching: bool
+    mamba_ssm_cache_dtype: str
+    block_size: int | None
+    attention_backend: str | None
+    enforce_eager: bool
+    compilation_config: dict[str, Any] | None
+    additional_config: dict[str, Any] | None
+    enable_flashinfer_autotune: bool | None
+    language_model_only: bool
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    structured_outputs_config: dict[str, Any] | None
+    default_chat_template_kwargs: dict[str, Any] | None
+    seed: int | None
+    extra: dict[str, Any]  # the profile's verbatim vLLM arguments, long-form names with `-`
+    speculative: ResolvedSpeculative | None
+    lora: ResolvedLora | None
+    env: dict[str, str]  # the profile's environment for vLLM
+    overridden: tuple[str, ...]  # the KNOBS the user set (for messages: where a value came from)
+
+    def origin(self, field: str) -> str:
+        """How a one-line message names where ``field``'s value came from."""
+        value = getattr(self, field)
+        if field in self.overridden:
+            return f"{KNOBS[field]}={value}"
+        return f"profile {self.profile}: engine.{field} = {value}"
+
+    def digest(self, ignore: Iterable[str] = ()) -> str:
+        """sha256 over every field but those in ``ignore`` (``a.b`` names a nested field)."""
+        return hashlib.sha256(json.dumps(self.factors(ignore), sort_keys=True).encode()).hexdigest()
+
+    def factors(self, ignore: Iterable[str] = ()) -> dict[str, Any]:
+        ignored = set(ignore)
+        unknown = ignored - set(field_paths())
+        if unknown:
+            raise ValueError(f"ignore list names no field of ResolvedEngine: {sorted(unknown)}")
+        data = self.model_dump(mode="json")
+        for name in ignored:
+            *parents, leaf = name.split(".")
+            node = data
+            for parent in parents:
+                node = node.get(parent) or {}
+            if isinstance(node, dict):
+                node.pop(leaf, None)
+        return data
+
+
+def field_paths() -> list[str]:
+    """Every field of ResolvedEngine, nested ones as ``parent.child``."""
+    paths = []
+    for name, info in ResolvedEngine.model_fields.items():
+        paths.append(name)
+        nested = next(
+            (t for t in getattr(info.annotation, "__args__", (info.annotation,)) if isinstance(t, type)
+             and issubclass(t, BaseModel)),
+            None,
+        )
+        if nested is not None:
+            paths.extend(f"{name}.{child}" for child in nested.model_fields)
+    return paths
+
+
+def _speculative(profile: Profile, settings: Settings, models_dir: Path) -> ResolvedSpeculative | None:
+    spec = profile.speculative
+    speculation = settings.speculation if settings.speculation is not None else bool(spec and spec.enabled)
+    if speculation and spec is None:
+        raise SettingsError(f"SPECULATION=true: profile {profile.name} has no speculative decoding configured")
+    if not speculation:
+        if settings.lookup or settings.verify_block is not None:
+            knob = "LOOKUP=true" if settings.lookup else f"VERIFY_BLOCK={settings.verify_block}"
+            raise SettingsError(
+                f"{knob}: lookup drafting extends speculative decoding, which is off for profile "
+                f"{profile.name}; set SPECULATION=true"
+            )
+        return None
+    try:
+        lookup_tokens = spec.lookup_tokens(settings.lookup, settings.verify_block)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+    drafter = profile.models.drafter
+    return ResolvedSpeculative(
+        method=spec.method,
+        drafter_tokens=spec.num_speculative_tokens,
+        lookup_tokens=lookup_tokens,
+        draft_sample_method=spec.draft_sample_method,
+        drafter_dir=str((models_dir / drafter.dir).absolute()) if spec.uses_drafter and drafter else None,
+    )
+
+
+def resolve(profile: Profile, settings: Settings) -> ResolvedEngine:
+    """Apply the user's overrides to the profile; refuse ones it cannot honour (one line each)."""
+    engine = profile.engine
+    models_dir = Path(settings.models_dir)
+    speculative = _speculative(profile, settings, models_dir)
+    prefix_caching = settings.prefix_caching if settings.prefix_caching is not None else engine.enable_prefix_caching
+    if profile.platform == "cpu" and speculative is not None and prefix_caching:
+        raise SettingsError(
+            f"profile {profile.name}: the CPU build cannot combine speculative decoding with prefix caching on "
+            "a hybrid (GDN) target (the align-mode state copy is a Triton kernel); "
+            "set SPECULATION=false or PREFIX_CACHING=false"
+        )
+    template_kwargs = dict(engine.default_chat_template_kwargs or {})
+    if settings.enable_thinking is not None:
+        template_kwargs["enable_thinking"] = settings.enable_thinking
+    lora = None
+    if profile.lora is not None and profile.models.adapter is not None and profile.served.adapter:
+        lora = ResolvedLora(
+            adapter_id=profile.served.adapter,
+            path=str((models_dir / profile.models.adapter.dir).absolute()),
+            base_model_name=profile.served.base,
+            max_lora_rank=profile.lora.max_lora_rank,
+            max_loras=profile.lora.max_loras,
+        )
+    overrides = {
+        "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "kv_cache_memory_bytes": settings.kv_cache_memory_bytes,
+        "enable_prefix_caching": settings.prefix_caching,
+        "speculation": settings.speculation,
+        "lookup": settings.lookup,
+        "verify_block": settings.verify_block,
+        "enable_thinking": settings.enable_thinking,
+    }
+    return ResolvedEngine(
+        profile=profile.name,
+        platform=profile.platform,
+        machine=profile.machine,
+        cuda_arch=profile.cuda_arch,
+        require_patches=profile.require_patches,
+        target_dir=str((models_dir / profile.models.target.dir).absolute()),
+        served_model_name=profile.served.base,
+        dtype=engine.dtype,
+        max_model_len=settings.max_model_len or engine.max_model_len,
+        max_num_seqs=settings.max_num_seqs or engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        kv_cache_dtype=engine.kv_cache_dtype,
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes or engine.kv_cache_memory_bytes,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        enable_prefix_caching=prefix_caching,
+        mamba_ssm_cache_dtype=engine.mamba_ssm_cache_dtype,
+        block_size=engine.block_size,
+        attention_backend=engine.attention_backend,
+        enforce_eager=engine.enforce_eager,
+        compilation_config=engine.compilation_config,
+        additional_config=engine.additional_config,
+        enable_flashinfer_autotune=engine.enable_flashinfer_autotune,
+        language_model_only=engine.language_model_only,
+        tool_call_parser=engine.tool_call_parser,
+        reasoning_parser=engine.reasoning_parser,
+        structured_outputs_config=engine.structured_outputs_config,
+        default_chat_template_kwargs=template_kwargs or None,
+        seed=engine.seed,
+        extra={key.replace("_", "-"): value for key, value in engine.extra.items()},
+        speculative=speculative,
+        lora=lora,
+        env=dict(profile.env),
+        overridden=tuple(name for name, value in overrides.items() if value is not None),
+    )
+
+
+# ---- what the model itself allows (from its config.json; pure) -------------------------
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's part of a (possibly multimodal) config.json."""
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else config
+
+
+def max_positions(config: Mapping[str, Any]) -> int | None:
+    """The longest context the model's position encoding is declared for, or None if the
+    config does not say. vLLM derives its own limit (and refuses above it); this bound is
+    never below vLLM's: the declared positions times the largest RoPE scaling factor."""
+    text = text_config(config)
+    positions = [text.get("max_position_embeddings")]
+    factor = 1.0
+    for key in ("rope_parameters", "rope_scaling"):
+        params = text.get(key)
+        if not isinstance(params, Mapping):
+            continue
+        nested = params.values() if all(isinstance(v, Mapping) for v in params.values()) and params else [params]
+        for entry in nested:
+            factor = max(factor, float(entry.get("factor") or 1.0))
+            positions.append(entry.get("original_max_position_embeddings"))
+    known = [int(p) for p in positions if isinstance(p, int) and p > 0]
+    return int(max(known) * factor) if known else None
+
+
+def check_model_limits(
+    resolved: ResolvedEngine,
+    target: Mapping[str, Any],
+    drafter: Mapping[str, Any] | None,
+    *,
+    target_source: str = "the target's config.json",
+) -> None:
+    """Refuse, in one line, what the models cannot run, before any planning."""
+    limit = max_positions(target)
+    allow_long = (resolved.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") or "").lower() in ("1", "true")
+    if limit is not None and resolved.max_model_len > limit and not allow_long:
+        error = SettingsError if "max_model_len" in resolved.overridden else ProfileError
+        raise error(
+            f"{resolved.origin('max_model_len')}: above the {limit:,} positions the model is made for "
+            f"({target_source}); use at most {limit:,}"
+        )
+    spec = resolved.speculative
+    if spec is not None and spec.lookup_tokens and drafter is not None:
+        if "DFlash2DraftModel" in (drafter.get("architectures") or []):
+            raise SettingsError(
+                f"LOOKUP=true: profile {resolved.profile}'s drafter ({spec.drafter_dir}) is a "
+                "DFlash2DraftModel, which runs on vLLM's V2 model runner; patch 0070 implements lookup "
+                "drafting in the V1 runner's DFlash proposer only; set LOOKUP=false"
+            )

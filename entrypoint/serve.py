@@ -1,0 +1,75 @@
+"""`qwen38 serve`: the start-up flow of DESIGN.md, one step after the other.
+
+settings -> resolve -> verify -> plan -> launch -> ready gate. Each step lives in its own
+module; this one runs them in order, prints one line for what each proved, and stops at
+the first that fails (its `StackError`, one line). The engine is resolved once and every
+step reads that one resolution: the planner plans exactly what the launch execs.
+
+Cheap refusals come first: conflicting knobs (`resolve`) and values the models cannot
+take (`check_plannable`) are refused before a file is hashed. The launch replaces this
+process with vLLM; the readiness gate runs in a forked watcher beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from entrypoint.errors import PlanError
+from entrypoint.launch import exec_engine, load, render_invocation, write_run_files
+from entrypoint.model_configs import read_model_configs
+from entrypoint.plan import check_plannable, plan_engines
+from entrypoint.profiles import Profile
+from entrypoint.resolve import ResolvedEngine, resolve
+from entrypoint.settings import Settings
+
+
+def run_preflight(profile: Profile, settings: Settings, resolved: ResolvedEngine) -> str:
+    """Verify, then plan; returns the identity string verify computed (for the status)."""
+    from entrypoint.verify import verify_profile
+
+    configs = read_model_configs(profile, resolved, settings.models_dir)
+    check_plannable(resolved, configs)
+
+    report = verify_profile(profile, settings)
+    print(f"qwen38: verified {profile.name} in {report.elapsed_s:.2f} s: {report.identity}", flush=True)
+
+    start = time.monotonic()
+    (plan,) = plan_engines([(resolved, configs)], compare=False, cache_dir=settings.cache_dir)
+    if not plan.fits:
+        raise PlanError(plan.refusal_line())
+    how = "plan reused" if plan.reused else f"planned in {time.monotonic() - start:.1f} s"
+    busy = "" if plan.fits_with_all_slots_busy else "; not every slot can hold a max-length request at once"
+    print(
+        f"qwen38: {how}: KV pool {plan.pool_tokens:,} tokens ({'patched' if plan.patched else 'stock'} vLLM), "
+        f"max concurrency {plan.max_concurrency:.2f}x at {plan.max_model_len:,} tokens{busy}",
+        flush=True,
+    )
+    return report.identity
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from entrypoint import ready
+
+    profile, settings, key = load(args)
+    resolved = resolve(profile, settings)
+    invocation = render_invocation(profile, settings, key, resolved=resolved)
+    identity = run_preflight(profile, settings, resolved)
+    write_run_files(invocation)
+    gate = ready.Watcher(profile, settings, key, identity=identity)
+    print(f"qwen38: serving profile {profile.name} ({', '.join(profile.model_ids)}) on {gate.base_url}", flush=True)
+    exec_engine(invocation, watcher=None if args.no_ready_gate else gate.run)
+    return 0  # not reached
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="verify, plan, then exec vLLM for a profile (readiness gate in a watcher)",
+        description="Run the start-up flow: verify the pinned artifacts, plan memory, render the "
+        "invocation and exec vLLM, which becomes this process; a forked watcher runs the readiness "
+        "gate and stops the server if it fails.",
+    )
+    serve.add_argument("--profile", help="profile to serve (default: the PROFILE setting)")
+    serve.add_argument("--no-ready-gate", action="store_true", help="do not run the readiness gate")
+    serve.set_defaults(func=_cmd_serve)

@@ -1,0 +1,121 @@
+"""One resolution of profile + settings: what the launch renders is what the planner plans,
+for every profile and every combination of the knobs that change the KV cache; conflicts
+are the same one line for every command; the compile cache key covers every field but an
+explicit, reasoned list."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from pydantic import SecretStr
+
+from entrypoint.errors import SettingsError
+from entrypoint.launch import COMPILE_IGNORED, compile_cache_key, render_invocation
+from entrypoint.model_configs import read_model_configs
+from entrypoint.plan import PLAN_IGNORED, build_request, plan_profile
+from entrypoint.profiles import load_profile, profile_names
+from entrypoint.resolve import field_paths, max_positions, resolve
+from tests.support.plans import user_settings
+
+KEY = SecretStr("s3cret-" + "k" * 20)
+
+
+def _combinations():
+    for name in profile_names():
+        for speculation, prefix_caching in itertools.product((True, False), repeat=2):
+            if load_profile(name).platform == "cpu" and speculation and prefix_caching:
+                continue  # refused, see test_conflicts_are_one_settings_error_for_render_and_plan
+            yield name, speculation, prefix_caching
+
+
+@pytest.mark.parametrize(("name", "speculation", "prefix_caching"), list(_combinations()))
+def test_the_planner_plans_exactly_what_the_launch_renders(name, speculation, prefix_caching, tiny_root, tmp_path):
+    profile = load_profile(name)
+    models = tiny_root if profile.platform == "cpu" else tmp_path
+    settings = user_settings(name, models_dir=models, speculation=speculation, prefix_caching=prefix_caching)
+    resolved = resolve(profile, settings)
+    config = render_invocation(profile, settings, KEY).config
+    request = build_request(resolved, read_model_configs(profile, resolved, models), tmp_path / "w")
+    engine = request["engine"]
+    rendered = {
+        "max_model_len": config["max-model-len"],
+        "max_num_seqs": config["max-num-seqs"],
+        "kv_cache_memory_bytes": config["kv-cache-memory-bytes"],
+        "enable_prefix_caching": config["enable-prefix-caching"],
+        "kv_cache_dtype": config["kv-cache-dtype"],
+        "mamba_ssm_cache_dtype": config["mamba-ssm-cache-dtype"],
+        "dtype": config["dtype"],
+        "block_size": config.get("block-size"),
+    }
+    assert {k: engine[k] for k in rendered} == rendered
+    assert engine["enable_prefix_caching"] is prefix_caching
+    if "max-num-batched-tokens" in config:
+        assert engine["max_num_batched_tokens"] == config["max-num-batched-tokens"]
+    assert request["attention_backend"] == config.get("attention-backend")
+    spec = config.get("speculative-config")
+    assert (spec is None) == (request["speculative"] is None) == (not speculation)
+    if spec:
+        assert request["speculative"]["num_speculative_tokens"] == spec["num_speculative_tokens"]
+        assert request["speculative"]["method"] == spec["method"]
+        assert ("model" in request["speculative"]) == ("model" in spec)
+
+
+@pytest.mark.parametrize(
+    ("profile", "values", "message"),
+    [
+        ("cpu", {"speculation": True, "prefix_caching": True}, "set SPECULATION=false or PREFIX_CACHING=false"),
+        ("cpu", {"lookup": True}, "LOOKUP=true: lookup drafting extends speculative decoding, which is off"),
+        ("single", {"lookup": True, "speculation": False}, "set SPECULATION=true"),
+        ("single", {"verify_block": 12}, r"VERIFY_BLOCK=12: without lookup drafting"),
+        ("single", {"lookup": True, "verify_block": 8}, r"VERIFY_BLOCK=8: .* must be 9\.\.16"),
+    ],
+)
+def test_conflicts_are_one_settings_error_for_render_and_plan(profile, values, message, tmp_path):
+    settings = user_settings(profile, models_dir=tmp_path, **values)
+    with pytest.raises(SettingsError, match=message) as rendered:
+        render_invocation(load_profile(profile), settings, KEY)
+    with pytest.raises(SettingsError, match=message) as planned:
+        plan_profile(load_profile(profile), settings)
+    assert str(rendered.value) == str(planned.value) and "\n" not in str(planned.value)
+
+
+def test_profile_values_and_overrides_are_told_apart_in_messages(tmp_path):
+    single = load_profile("single")
+    assert resolve(single, user_settings("single", models_dir=tmp_path)).origin("max_model_len") == (
+        "profile single: engine.max_model_len = 65536"
+    )
+    overridden = resolve(single, user_settings("single", models_dir=tmp_path, max_model_len=4096))
+    assert overridden.origin("max_model_len") == "MAX_MODEL_LEN=4096"
+
+
+def test_the_positions_limit_includes_rope_scaling():
+    assert max_positions({"text_config": {"max_position_embeddings": 262144}}) == 262144
+    yarn = {"max_position_embeddings": 131072,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert max_positions(yarn) == 524288
+    assert max_positions({"hidden_size": 8}) is None
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the changed values are not of the field's type
+def test_compile_cache_key_covers_every_field_but_the_ignored_ones(tmp_path):
+    resolved = resolve(load_profile("spark-lora"), user_settings("spark-lora", models_dir=tmp_path))
+    base = compile_cache_key(resolved)
+    assert set(COMPILE_IGNORED) <= set(field_paths()) and set(PLAN_IGNORED) <= set(field_paths())
+    for path in field_paths():
+        parent, _, leaf = path.partition(".")
+        if leaf:
+            changed = resolved.model_copy(
+                update={parent: getattr(resolved, parent).model_copy(update={leaf: f"changed {path}"})}
+            )
+        elif path in ("speculative", "lora"):
+            continue  # their fields are changed one by one
+        else:
+            changed = resolved.model_copy(update={path: f"changed {path}"})
+        assert (compile_cache_key(changed) == base) == (path in COMPILE_IGNORED), path
+
+
+def test_an_ignore_list_naming_no_field_is_refused(tmp_path):
+    resolved = resolve(load_profile("cpu"), user_settings("cpu", models_dir=tmp_path))
+    with pytest.raises(ValueError, match="names no field"):
+        resolved.digest({"max_model_length"})
