@@ -125,7 +125,6 @@ def _engine_config(resolved: ResolvedEngine, settings: Settings) -> dict[str, An
         "structured-outputs-config": resolved.structured_outputs_config,
         "reasoning-parser": resolved.reasoning_parser,
         "enable-flashinfer-autotune": resolved.enable_flashinfer_autotune,
-        "default-chat-template-kwargs": resolved.default_chat_template_kwargs,
     }
     config.update({k: v for k, v in optional.items() if v is not None})
     if resolved.enforce_eager:
@@ -135,6 +134,8 @@ def _engine_config(resolved: ResolvedEngine, settings: Settings) -> dict[str, An
     if resolved.tool_call_parser:
         config["enable-auto-tool-choice"] = True
         config["tool-call-parser"] = resolved.tool_call_parser
+    if resolved.default_chat_template_kwargs:
+        config["default-chat-template-kwargs"] = resolved.default_chat_template_kwargs
 
     spec = resolved.speculative
     if spec is not None:

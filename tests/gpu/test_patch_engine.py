@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -150,6 +149,7 @@ def test_planner_equals_what_the_cuda_engine_logs(vllm_views, tmp_path_factory, 
 
     from entrypoint.plan import plan_profile
     from entrypoint.profiles import Profile
+    from tests.support.plans import user_settings
     from tests.support.vllm_views import child_pythonpath
 
     models = tmp_path_factory.mktemp("models")
@@ -176,7 +176,7 @@ def test_planner_equals_what_the_cuda_engine_logs(vllm_views, tmp_path_factory, 
         }
     )
     monkeypatch.setenv("PYTHONPATH", child_pythonpath())
-    plan = plan_profile(profile, SimpleNamespace(models_dir=Path(models)), compare=False)
+    plan = plan_profile(profile, user_settings(models_dir=Path(models)), compare=False)
     script = engine_script(tmp_path, PLAN_BODY)
     started, logs = run_engine(vllm_views, "stock", script, tiny["dequantized"], VLLM_LOGGING_LEVEL="INFO")
     assert started, logs[-4000:]
