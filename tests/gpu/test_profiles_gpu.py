@@ -5,7 +5,10 @@ drafting, bf16 / int8_per_token_head / fp8 KV, prefix caching, CUDA graphs, LoRA
 autotune off) with their model slots pointed at `qwen38 tiny`'s models (tests/gpu/
 tiny_profiles.py). Each is started with `qwen38 serve` (verify, plan, launch, readiness
 gate), then checked with `qwen38 validate apis`, `qwen38 validate cache-isolation` and a
-short `qwen38 bench c1`; greedy outputs must be the same with speculation off.
+short `qwen38 bench c1`; greedy outputs must be the same with speculation off. The pool
+`qwen38 serve` planned must be the pool each engine logs, for these servers and, started
+eagerly until the engine has logged its pool, for the other combinations of prefix caching
+and speculation.
 
 The servers start side by side (one H100/H200 holds them all; cold starts are CPU-bound
 compiles), so the tier costs one cold start instead of four. Run by `make gpu-test`.

@@ -246,3 +246,23 @@ def test_cli_refuses_a_context_that_does_not_fit(tmp_path):
     plan = json.loads(done.stdout[done.stdout.index("{") :])
     assert plan["fits"] is False and plan["patched"] is True and list(plan["variants"]) == ["patched"]
     assert "262,144-token request does not fit" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_validation_error_from_vllm_is_passed_on_as_one_line():
+    from pydantic import BaseModel, ValidationError, field_validator
+
+    from entrypoint.plan import _one_line
+
+    class ModelConfig(BaseModel):  # the shape of vLLM's config errors (pydantic dataclasses)
+        max_model_len: int
+
+        @field_validator("max_model_len")
+        @classmethod
+        def _fits(cls, value):
+            raise ValueError(f"User-specified max_model_len ({value}) is greater than the derived max_model_len")
+
+    with pytest.raises(ValidationError) as info:
+        ModelConfig(max_model_len=10)
+    line = _one_line(f"ValidationError: {info.value}")
+    assert "\n" not in line and "User-specified max_model_len (10) is greater" in line
+    assert "For further information" not in line
