@@ -360,6 +360,41 @@ def _read_cached(path: Path) -> Capacity | None:
         return None
 
 
+def _compute(
+    items: list[tuple[ResolvedEngine, ModelConfigs]],
+    missing: dict[Variant, list[int]],
+    servings: list[Variant],
+    tree: Tree,
+    cache_dir: Path | None,
+) -> dict[tuple[int, Variant], Capacity]:
+    """vLLM's answers for the ``missing`` (variant -> item indices), one child per variant."""
+    with tempfile.TemporaryDirectory(prefix="qwen38-plan-") as tmp:
+        workdir = Path(tmp)
+        indices = sorted({i for wanted in missing.values() for i in wanted})
+        requests = {i: build_request(*items[i], workdir / str(i)) for i in indices}
+
+        def for_variant(index: int, variant: Variant) -> dict:
+            # The serving tree's answer runs with the engine's own VLLM_CACHE_ROOT: the model
+            # info vLLM records there while planning is what the engine would otherwise spend
+            # a second vLLM import on at its first start (vLLM checks it by source hash).
+            root = workdir / f"vllm-cache-{variant}"
+            if cache_dir is not None and variant == servings[index] and tree.state == variant:
+                root = vllm_cache_root(Path(cache_dir), items[index][0])
+            request = requests[index]
+            return {**request, "env": {**request["env"], "VLLM_CACHE_ROOT": str(root)}}
+
+        with ThreadPoolExecutor(max_workers=len(missing)) as pool:
+            futures = {
+                v: pool.submit(_run_variant, [for_variant(i, v) for i in wanted], tree, v, workdir)
+                for v, wanted in missing.items()
+            }
+            return {
+                (index, variant): capacity
+                for variant, future in futures.items()
+                for index, capacity in zip(missing[variant], future.result(), strict=True)
+            }
+
+
 def plan_engines(
     items: list[tuple[ResolvedEngine, ModelConfigs]],
     *,
@@ -368,77 +403,57 @@ def plan_engines(
     tree: Tree | None = None,
 ) -> list[Plan]:
     """Plan several resolved engines with at most one vLLM process per version of the
-    tree (and none for answers already in ``cache_dir``)."""
+    tree, and none for answers already in ``cache_dir`` (new answers are kept there)."""
     from prepare.atomic import atomic_write_text
 
     tree = tree or installed_tree()
     servings = [tree.serving(resolved) for resolved, _ in items]
     wanted = [sorted({s} | ({"patched", "stock"} if compare else set())) for s in servings]
-    keys = [plan_cache_key(resolved, configs, tree) if cache_dir else "" for resolved, configs in items]
-    answers: dict[tuple[int, Variant], Capacity] = {}
-    reused: set[int] = set()
+    paths: dict[tuple[int, Variant], Path] = {}
     if cache_dir is not None:
-        for index, (resolved, _) in enumerate(items):
-            for variant in wanted[index]:
-                found = _read_cached(_cache_path(cache_dir, resolved, keys[index], variant))
-                if found is not None:
-                    answers[index, variant] = found
-        reused = {i for i in range(len(items)) if all((i, v) in answers for v in wanted[i])}
-    missing = {v: [i for i in range(len(items)) if v in wanted[i] and (i, v) not in answers]
-               for v in ("patched", "stock")}
-    missing = {v: indices for v, indices in missing.items() if indices}
+        for index, (resolved, configs) in enumerate(items):
+            key = plan_cache_key(resolved, configs, tree)
+            paths.update({(index, v): _cache_path(cache_dir, resolved, key, v) for v in wanted[index]})
+    answers = {slot: found for slot, path in paths.items() if (found := _read_cached(path)) is not None}
+    reused = {i for i in range(len(items)) if all((i, v) in answers for v in wanted[i])}
+    missing: dict[Variant, list[int]] = {}
+    for index, variants in enumerate(wanted):
+        for variant in variants:
+            if (index, variant) not in answers:
+                missing.setdefault(variant, []).append(index)
     if missing:
-        with tempfile.TemporaryDirectory(prefix="qwen38-plan-") as tmp:
-            workdir = Path(tmp)
-            requests = {
-                i: build_request(items[i][0], items[i][1], workdir / str(i))
-                for i in sorted({i for indices in missing.values() for i in indices})
-            }
+        computed = _compute(items, missing, servings, tree, cache_dir)
+        answers.update(computed)
+        for slot, capacity in computed.items():
+            if slot in paths:
+                atomic_write_text(paths[slot], capacity.model_dump_json(indent=2) + "\n")
+    return [
+        _assemble(resolved, configs, serving, {v: answers[index, v] for v in wanted[index]}, index in reused)
+        for index, ((resolved, configs), serving) in enumerate(zip(items, servings, strict=True))
+    ]
 
-            def for_variant(index: int, variant: Variant) -> dict:
-                # The serving tree's answer runs with the engine's own VLLM_CACHE_ROOT: the model
-                # info vLLM records there while planning is what the engine would otherwise spend
-                # a second vLLM import on at its first start (vLLM checks it by source hash).
-                root = workdir / f"vllm-cache-{variant}"
-                if cache_dir is not None and variant == servings[index] and tree.state == variant:
-                    root = vllm_cache_root(Path(cache_dir), items[index][0])
-                request = requests[index]
-                return {**request, "env": {**request["env"], "VLLM_CACHE_ROOT": str(root)}}
 
-            with ThreadPoolExecutor(max_workers=len(missing)) as pool:
-                futures = {
-                    v: pool.submit(_run_variant, [for_variant(i, v) for i in indices], tree, v, workdir)
-                    for v, indices in missing.items()
-                }
-                for variant, future in futures.items():
-                    for index, capacity in zip(missing[variant], future.result(), strict=True):
-                        answers[index, variant] = capacity
-                        if cache_dir is not None:
-                            path = _cache_path(cache_dir, items[index][0], keys[index], variant)
-                            atomic_write_text(path, capacity.model_dump_json(indent=2) + "\n")
-    plans = []
-    for index, ((resolved, configs), serving) in enumerate(zip(items, servings, strict=True)):
-        chosen = answers[index, serving]
-        plans.append(
-            Plan(
-                profile=resolved.profile,
-                patched=serving == "patched",
-                fits=chosen.fits,
-                pool_tokens=chosen.pool_tokens or 0,
-                max_concurrency=chosen.max_concurrency or 0.0,
-                fits_with_all_slots_busy=chosen.fits_with_all_slots_busy,
-                max_model_len=resolved.max_model_len,
-                max_num_seqs=resolved.max_num_seqs,
-                pool_bytes=resolved.kv_cache_memory_bytes or 0,
-                speculative_tokens=resolved.speculative.num_speculative_tokens if resolved.speculative else 0,
-                prefix_caching=resolved.enable_prefix_caching,
-                serving=chosen,
-                variants={v: answers[index, v] for v in wanted[index]},
-                model_configs=configs.sources(),
-                reused=index in reused,
-            )
-        )
-    return plans
+def _assemble(
+    resolved: ResolvedEngine, configs: ModelConfigs, serving: Variant, variants: dict[str, Capacity], reused: bool
+) -> Plan:
+    chosen = variants[serving]
+    return Plan(
+        profile=resolved.profile,
+        patched=serving == "patched",
+        fits=chosen.fits,
+        pool_tokens=chosen.pool_tokens or 0,
+        max_concurrency=chosen.max_concurrency or 0.0,
+        fits_with_all_slots_busy=chosen.fits_with_all_slots_busy,
+        max_model_len=resolved.max_model_len,
+        max_num_seqs=resolved.max_num_seqs,
+        pool_bytes=resolved.kv_cache_memory_bytes or 0,
+        speculative_tokens=resolved.speculative.num_speculative_tokens if resolved.speculative else 0,
+        prefix_caching=resolved.enable_prefix_caching,
+        serving=chosen,
+        variants=variants,
+        model_configs=configs.sources(),
+        reused=reused,
+    )
 
 
 def plan_profile(

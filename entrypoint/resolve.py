@@ -138,16 +138,12 @@ class ResolvedEngine(_Frozen):
 
 def field_paths() -> list[str]:
     """Every field of ResolvedEngine, nested ones as ``parent.child``."""
+    nested = {"speculative": ResolvedSpeculative, "lora": ResolvedLora}
     paths = []
-    for name, info in ResolvedEngine.model_fields.items():
+    for name in ResolvedEngine.model_fields:
         paths.append(name)
-        nested = next(
-            (t for t in getattr(info.annotation, "__args__", (info.annotation,)) if isinstance(t, type)
-             and issubclass(t, BaseModel)),
-            None,
-        )
-        if nested is not None:
-            paths.extend(f"{name}.{child}" for child in nested.model_fields)
+        if name in nested:
+            paths.extend(f"{name}.{child}" for child in nested[name].model_fields)
     return paths
 
 

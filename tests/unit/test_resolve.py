@@ -119,3 +119,16 @@ def test_an_ignore_list_naming_no_field_is_refused(tmp_path):
     resolved = resolve(load_profile("cpu"), user_settings("cpu", models_dir=tmp_path))
     with pytest.raises(ValueError, match="names no field"):
         resolved.digest({"max_model_length"})
+
+
+def test_every_nested_model_of_the_resolution_is_walked_by_the_digest():
+    """`field_paths` names the nested models explicitly: one added later must be added there."""
+    from pydantic import BaseModel
+
+    from entrypoint.resolve import ResolvedEngine
+
+    models = {
+        name for name, info in ResolvedEngine.model_fields.items()
+        if any(isinstance(t, type) and issubclass(t, BaseModel) for t in getattr(info.annotation, "__args__", ()))
+    }
+    assert models == {p.split(".")[0] for p in field_paths() if "." in p}
