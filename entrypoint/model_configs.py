@@ -56,10 +56,9 @@ def config_source(slot: ModelSlot, models_dir: Path) -> Path:
         copy = MODEL_CONFIGS_DIR / slot.artifact / "config.json"
         if copy.is_file():
             return copy
-    raise PlanError(
-        f"no config.json for model dir {slot.dir!r}: neither {served} nor "
-        f"{MODEL_CONFIGS_DIR / str(slot.artifact) / 'config.json'} exists; prepare the model first"
-    )
+    missing = f"neither {served} nor {MODEL_CONFIGS_DIR / slot.artifact / 'config.json'} exists" if slot.artifact \
+        else f"{served} does not exist"
+    raise PlanError(f"no config.json for model dir {slot.dir!r}: {missing}; prepare the model first")
 
 
 def _read(path: Path) -> ModelConfig:

@@ -28,11 +28,17 @@ def run_preflight(profile: Profile, settings: Settings, resolved: ResolvedEngine
     """Verify, then plan; returns the identity string verify computed (for the status)."""
     from entrypoint.verify import verify_profile
 
-    configs = read_model_configs(profile, resolved, settings.models_dir)
-    check_plannable(resolved, configs)
+    try:  # values the models cannot take are refused before a file is hashed...
+        configs = read_model_configs(profile, resolved, settings.models_dir)
+        check_plannable(resolved, configs)
+    except PlanError:
+        configs = None  # ...but a model that is not there is verify's to explain
 
     report = verify_profile(profile, settings)
     print(f"qwen38: verified {profile.name} in {report.elapsed_s:.2f} s: {report.identity}", flush=True)
+    if configs is None:
+        configs = read_model_configs(profile, resolved, settings.models_dir)
+        check_plannable(resolved, configs)
 
     start = time.monotonic()
     (plan,) = plan_engines([(resolved, configs)], compare=False, cache_dir=settings.cache_dir)

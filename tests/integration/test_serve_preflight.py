@@ -23,3 +23,14 @@ def test_a_profile_that_cannot_fit_is_refused_before_vllm_starts(tiny_root, api_
 
     again = run_cli("serve", "--profile", "cpu", env=env, timeout=600)
     assert again.returncode == 2 and again.stderr == result.stderr  # the cached verdict, same line
+
+
+def test_a_context_the_model_cannot_take_is_refused_before_anything_is_hashed(tiny_root, api_key_file, tmp_path):
+    env = clean_env(MODELS_DIR=str(tiny_root), API_KEY_FILE=str(api_key_file), CACHE_DIR=str(tmp_path / "cache"),
+                    PORT=str(free_port()), MAX_MODEL_LEN="100000")
+    result = run_cli("serve", "--profile", "cpu", env=env, timeout=120)
+    assert result.returncode == 2 and "qwen38: verified" not in result.stdout
+    assert result.stderr.strip() == (
+        f"qwen38: settings: MAX_MODEL_LEN=100000: above the 32,768 positions the model is made for "
+        f"({tiny_root / 'tiny' / 'target' / 'config.json'}); use at most 32,768"
+    )
