@@ -121,6 +121,7 @@ class ResolvedEngine(_Frozen):
         return hashlib.sha256(json.dumps(self.factors(ignore), sort_keys=True).encode()).hexdigest()
 
     def factors(self, ignore: Iterable[str] = ()) -> dict[str, Any]:
+        """What `digest` hashes: the whole engine as JSON, less ``ignore`` (which must name fields)."""
         ignored = set(ignore)
         unknown = ignored - set(field_paths())
         if unknown:
