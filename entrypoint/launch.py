@@ -148,6 +148,24 @@ def compile_cache_key(profile: Profile, resolved: Resolved) -> str:
     return f"{profile.name}-{digest}"
 
 
+def cudagraph_capture_limit(profile: Profile, resolved: Resolved) -> int | None:
+    """The largest CUDA graph worth capturing: every slot verifying its whole block at once.
+
+    vLLM 0.28.0 captures up to twice that (max_num_seqs x (1 + K) x 2); each size costs
+    capture time at every cold start and graph memory, and no decode step can use it. None
+    where the profile decides itself (its own sizes, eager, or no CUDA graphs at all).
+    """
+    own = profile.engine.compilation_config or {}
+    if profile.platform != "cuda" or profile.engine.enforce_eager:
+        return None
+    if {"cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode"} & set(own):
+        return None
+    width = 1
+    if resolved.speculation and profile.speculative is not None:
+        width += profile.speculative.num_speculative_tokens + resolved.lookup_tokens
+    return resolved.max_num_seqs * width
+
+
 def _engine_config(profile: Profile, settings: Settings, resolved: Resolved) -> dict[str, Any]:
     engine = profile.engine
     config: dict[str, Any] = {
@@ -178,6 +196,9 @@ def _engine_config(profile: Profile, settings: Settings, resolved: Resolved) -> 
         "enable-flashinfer-autotune": engine.enable_flashinfer_autotune,
     }
     config.update({k: v for k, v in optional.items() if v is not None})
+    capture = cudagraph_capture_limit(profile, resolved)
+    if capture is not None:
+        config["compilation-config"] = {**(engine.compilation_config or {}), "max_cudagraph_capture_size": capture}
     if engine.enforce_eager:
         config["enforce-eager"] = True
     if engine.language_model_only:
@@ -206,6 +227,8 @@ def _engine_config(profile: Profile, settings: Settings, resolved: Resolved) -> 
             spec_config["model"] = str(model_dir(settings, profile.models.drafter.dir))
         if spec.draft_sample_method is not None:
             spec_config["draft_sample_method"] = spec.draft_sample_method
+        if spec.attention_backend is not None:
+            spec_config["attention_backend"] = spec.attention_backend
         config["speculative-config"] = spec_config
 
     if profile.lora is not None and profile.models.adapter is not None and profile.served.adapter:

@@ -249,6 +249,8 @@ def build_request(profile: Profile, settings: Any | None, workdir: Path) -> tupl
         }
         if spec.draft_sample_method:
             speculative["draft_sample_method"] = spec.draft_sample_method
+        if spec.attention_backend:
+            speculative["attention_backend"] = spec.attention_backend
         if spec.uses_drafter and profile.models.drafter is not None:
             sources["drafter"] = str(config_source(profile.models.drafter, models_dir))
             speculative["model"] = _shape_only_copy(Path(sources["drafter"]), workdir / "drafter")

@@ -79,6 +79,11 @@ class Speculative(_Strict):
     method: Literal["dflash", "draft_model", "ngram", "mtp"] = "dflash"
     num_speculative_tokens: int = Field(ge=1, le=16)
     draft_sample_method: Literal["greedy", "probabilistic"] | None = None
+    attention_backend: Literal["TRITON_ATTN", "FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION"] | None = Field(
+        default=None,
+        description="Attention backend of the drafter's layers (vLLM's speculative_config.attention_backend). "
+        "None: vLLM selects one for the drafter on its own; it never inherits the target's.",
+    )
     lookup: bool = Field(
         default=False,
         description="Lookup drafting (reproduction mode) default on/off; the LOOKUP setting overrides it.",

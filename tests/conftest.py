@@ -107,9 +107,10 @@ class Server:
 
 
 def launch_server(tmp: Path, models: Path, key_file: Path, profile: str = "cpu", **settings: str) -> Server:
-    """`qwen38 serve --profile P` in its own process group; returns at once (see `wait_ready`)."""
+    """`qwen38 serve --profile P` in its own process group; returns at once (see `wait_ready`).
+    CACHE_DIR defaults to a fresh ``tmp/cache``; pass one to share compile caches (a warm start)."""
     port = free_port()
-    cache_dir = tmp / "cache"
+    cache_dir = Path(settings.pop("CACHE_DIR", tmp / "cache"))
     env = clean_env(
         MODELS_DIR=str(models), API_KEY_FILE=str(key_file), PORT=str(port), CACHE_DIR=str(cache_dir),
         **{"READY_TIMEOUT": "600", **settings},

@@ -8,10 +8,16 @@
 #   tests/gpu/lent_machine.sh tools          pytest & co. into /tmp/qwen38-tools (kernel tests)
 #   tests/gpu/lent_machine.sh install        join the parts, unpack vLLM into /tmp/qwen38-site
 #   source <(tests/gpu/lent_machine.sh env)  PYTHONPATH for both
+# A tier run outlives the 10-minute call limit by running in a session of its own (setsid):
+#   tests/gpu/lent_machine.sh tier-start [FILES]   start `make gpu-test` in the background
+#   tests/gpu/lent_machine.sh tier-wait SECONDS    wait for it (at most SECONDS), then copy the
+#                                                  report, the logs and a sampler's record of
+#                                                  what ran when into $OUT
 set -euo pipefail
 STAGE=/tmp/qwen38-payload
 SITE=/tmp/qwen38-site
 TOOLS=/tmp/qwen38-tools
+TIER=/tmp/qwen38-tier
 
 case "${1:-}" in
   stage)
@@ -36,8 +42,53 @@ case "${1:-}" in
   env)
     echo "export PYTHONPATH=$PWD:$SITE:$TOOLS"
     ;;
+  tier-start)
+    shift
+    mkdir -p "$TIER/cache"
+    rm -f "$TIER/exit"
+    setsid nohup "$0" tier-run "$@" < /dev/null > "$TIER/tier.log" 2>&1 &
+    setsid nohup "$0" tier-sample < /dev/null > /dev/null 2>&1 &
+    echo "tier started in the background: $TIER/tier.log"
+    ;;
+  tier-run)
+    shift
+    export PYTHONPATH="$PWD:$SITE:$TOOLS" PYTHONUNBUFFERED=1 QWEN38_GPU_REPORT="$TIER/report.json" \
+      QWEN38_GPU_CACHE_DIR="$TIER/cache" PYTHON=python3
+    code=0
+    tests/gpu/run_tier.sh "$@" || code=$?
+    echo "$code" > "$TIER/exit"
+    ;;
+  tier-sample)
+    # What is running, every 15 s: compilers (nvcc, ptxas, cicc: JIT builds) and GPU memory.
+    while [ ! -e "$TIER/exit" ]; do
+      { date -u +%T
+        pids=$(pgrep -d, -f "nvcc|ptxas|cicc|ninja|VLLM|EngineCore|pytest" || true)
+        [ -n "$pids" ] && ps -o etimes,pcpu,rss,args --sort=-pcpu -p "$pids" | cut -c1-200 | head -12
+        nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+        # Where each engine process is, when py-spy came with the tools.
+        if [ -x "$TOOLS/bin/py-spy" ]; then
+          for pid in $(pgrep -f "VLLM::EngineCore" || true); do
+            "$TOOLS/bin/py-spy" dump --pid "$pid" 2>&1 | grep -v "^ *$" | head -25
+          done
+        fi
+      } >> "$TIER/sampler.log" 2>&1
+      sleep 15
+    done
+    ;;
+  tier-wait)
+    deadline=$(( $(date +%s) + ${2:?seconds} ))
+    while [ ! -e "$TIER/exit" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+    out=${OUT:-$TIER/out}; mkdir -p "$out"
+    cp "$TIER/report.json" "$out/" 2>/dev/null || true
+    tail -c 4000000 "$TIER/tier.log" > "$out/tier.log" 2>/dev/null || true
+    tail -c 2000000 "$TIER/sampler.log" > "$out/sampler.log" 2>/dev/null || true
+    find /tmp/pytest-of-*/ -name serve.log 2>/dev/null | tar -cJf "$out/serve-logs.tar.xz" -T - 2>/dev/null || true
+    du -sh "$TIER/cache" 2>/dev/null || true
+    if [ -e "$TIER/exit" ]; then echo "tier finished: exit $(cat "$TIER/exit")"; else echo "tier still running"; fi
+    tail -n 40 "$TIER/tier.log"
+    ;;
   *)
-    echo "usage: $0 stage|tools|install|env" >&2
+    echo "usage: $0 stage|tools|install|env|tier-start [FILES]|tier-wait SECONDS" >&2
     exit 2
     ;;
 esac

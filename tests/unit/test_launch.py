@@ -225,3 +225,16 @@ def test_vllms_own_parser_accepts_the_lookup_speculative_config(tmp_path):
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(inv.argv[3:])
     assert args.speculative_config["lookup_tokens"] == 8
     assert args.speculative_config["num_speculative_tokens"] == 15
+
+
+def test_gpu_profiles_capture_cuda_graphs_only_up_to_a_full_verify_step():
+    """8 slots x (1 + 7) = 64 tokens for `single` (vLLM's default would capture to 128);
+    the wider lookup block and speculation off move it; CPU profiles capture nothing."""
+    def limit(name, **env):
+        inv = render_invocation(load_profile(name), settings(profile=name, **env), KEY)
+        return (inv.config.get("compilation-config") or {}).get("max_cudagraph_capture_size")
+
+    assert limit("single") == 64 and limit("long") == 32 and limit("spark-lora") == 32
+    assert limit("single", speculation=False) == 8
+    assert limit("single", max_num_seqs=4) == 32
+    assert limit("cpu") is None
