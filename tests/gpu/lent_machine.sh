@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Stage the CUDA vLLM 0.28.0 payload on the lent GPU machine, where at most 64 MiB travels per
 # call (docs/gpu.md). Build the payload here first:
-#   ../shared/tools/gpu-payload.sh .device-payload      # part_00..part_05, 56 MiB each
-#   pip download --python-version 3.12 --only-binary=:all: -d .whl pytest pytest-timeout tomli-w
+#   ../shared/tools/gpu-payload.sh /tmp/payload       # part_00..part_05, 56 MiB each
+#   tests/gpu/pack_site.sh /tmp/payload .device-payload  # site_00..site_03: one xz'd site, 4 calls
+#   pip download --python-version 3.12 --only-binary=:all: -d .whl pytest pytest-timeout tomli-w py-spy
+# (the parts of gpu-payload.sh staged as they are work too: `install` takes either form)
 # Then, one call per part (each carries .device-payload/part_NN):
 #   tests/gpu/lent_machine.sh stage          copy this call's parts and wheels to /tmp
 #   tests/gpu/lent_machine.sh tools          pytest & co. into /tmp/qwen38-tools (kernel tests)
@@ -23,7 +25,7 @@ case "${1:-}" in
   stage)
     mkdir -p "$STAGE"
     shopt -s nullglob
-    for f in .device-payload/part_* .whl/*.whl; do cp "$f" "$STAGE/"; done
+    for f in .device-payload/part_* .device-payload/site_* .whl/*.whl; do cp "$f" "$STAGE/"; done
     echo "staged: $(cd "$STAGE" && echo *)"
     ;;
   tools)
@@ -31,6 +33,12 @@ case "${1:-}" in
     ;;
   install)
     test -e "$SITE/vllm/__init__.py" && { echo "vLLM already unpacked in $SITE"; exit 0; }
+    if compgen -G "$STAGE/site_*" > /dev/null; then
+      mkdir -p "$SITE"
+      cat "$STAGE"/site_* | python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1])" "$SITE"
+      echo "vLLM $(PYTHONPATH=$SITE python3 -c 'import importlib.metadata as m; print(m.version("vllm"))') in $SITE"
+      exit 0
+    fi
     work=$(mktemp -d)
     cat "$STAGE"/part_* | tar -C "$work" -xf -
     python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \
@@ -45,8 +53,12 @@ case "${1:-}" in
   tier-start)
     shift
     mkdir -p "$TIER/cache"
-    rm -f "$TIER/exit"
-    setsid nohup "$0" tier-run "$@" < /dev/null > "$TIER/tier.log" 2>&1 &
+    rm -rf "$TIER/exit" "$TIER/repo"
+    # A copy of the checkout of its own: the next call's copy of the working tree may be
+    # rewritten while the tier's processes read it.
+    mkdir -p "$TIER/repo"
+    tar -C "$PWD" --exclude=./.device-payload --exclude=./.whl --exclude=./.git -cf - . | tar -C "$TIER/repo" -xf -
+    (cd "$TIER/repo" && setsid nohup tests/gpu/lent_machine.sh tier-run "$@" < /dev/null > "$TIER/tier.log" 2>&1 &)
     setsid nohup "$0" tier-sample < /dev/null > /dev/null 2>&1 &
     echo "tier started in the background: $TIER/tier.log"
     ;;
