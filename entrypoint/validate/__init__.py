@@ -73,10 +73,13 @@ def _cmd_cache(args: argparse.Namespace) -> int:
             if response.status_code != 200:
                 raise ValidationFailed(f"/v1/models answered {response.status_code} (wrong or missing key?)")
             ids = [entry["id"] for entry in response.json()["data"]]
-            if len(ids) < 2:
-                raise SettingsError(f"/v1/models lists {ids}: name --base-model and --adapter-model")
-            base, adapter = base or ids[0], adapter or ids[1]
-        report = validate_cache_isolation(client, base, adapter, args.prefix_tokens)
+            if not ids:
+                raise SettingsError("/v1/models lists no model: name --base-model")
+            # One id served (no adapter): reuse within the base is what there is to check.
+            base = base or ids[0]
+            if adapter is None:
+                adapter = next((i for i in ids if i != base), None)
+        report = validate_cache_isolation(client, base, adapter or None, args.prefix_tokens)
     return _finish(report, args.json)
 
 
@@ -99,7 +102,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cache = validators.add_parser("cache-isolation", help="prefix-cache reuse within, never across, identities")
     _common(cache)
     cache.add_argument("--base-model", help="base id (default: the first listed)")
-    cache.add_argument("--adapter-model", help="adapter id (default: the second listed)")
+    cache.add_argument(
+        "--adapter-model", help="adapter id (default: the second listed; '' or none listed: the base alone is checked)"
+    )
     cache.add_argument("--prefix-tokens", type=int, default=DEFAULT_PREFIX_TOKENS,
                        help="length of the shared prefix (clamped below the max context)")
     cache.set_defaults(func=_cmd_cache)

@@ -75,7 +75,7 @@ case "${1:-}" in
     while [ ! -e "$TIER/exit" ]; do
       { date -u +%T
         pids=$(pgrep -d, -f "nvcc|ptxas|cicc|ninja|VLLM|EngineCore|pytest" || true)
-        [ -n "$pids" ] && ps -o etimes,pcpu,rss,args --sort=-pcpu -p "$pids" | cut -c1-200 | head -12
+        if [ -n "$pids" ]; then ps -o etimes,pcpu,rss,args --sort=-pcpu -p "$pids" | cut -c1-200 | head -12; fi
         nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
         # Where each engine process is, when py-spy came with the tools.
         if [ -x "$TOOLS/bin/py-spy" ]; then
@@ -83,6 +83,7 @@ case "${1:-}" in
             "$TOOLS/bin/py-spy" dump --pid "$pid" 2>&1 | grep -v "^ *$" | head -25
           done
         fi
+        true  # errexit must not end the sampler when nothing matched
       } >> "$TIER/sampler.log" 2>&1
       sleep 15
     done

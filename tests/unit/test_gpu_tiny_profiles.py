@@ -46,6 +46,9 @@ def test_tiny_gpu_profile_keeps_the_engine_settings_and_vllm_parses_it(name, tmp
     assert args.speculative_config["num_speculative_tokens"] == 7
     assert args.speculative_config["draft_sample_method"] == "probabilistic"
     assert args.additional_config == {"gdn_prefill_backend": "triton"}
+    # tool calls as the `cpu` profile serves the same tiny model (its hermes-style template)
+    assert args.tool_call_parser == load_profile("cpu").engine.tool_call_parser
+    assert inv.env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] == "0"
     # The drafter's backend is the profile's, never a test-only override (docs/gpu.md).
     assert args.speculative_config.get("attention_backend") == real.speculative.attention_backend
     assert args.attention_backend is None
