@@ -18,6 +18,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "entrypoint.bench.requantize",
     "entrypoint.bench.adapter",
     "entrypoint.bench.fullscale",
+    "entrypoint.bench.roofline",
 )
 
 

@@ -368,6 +368,28 @@ def device_total_bytes() -> int:
     return torch.cuda.get_device_properties(0).total_memory
 
 
+_CAP_PROBE = (
+    "import torch; torch.zeros(1, device='cuda'); "
+    "print(torch.cuda.memory.get_per_process_memory_fraction(0))"
+)
+
+
+def allocator_cap_honoured(fraction: float) -> bool | None:
+    """Whether this machine's torch reads ``per_process_memory_fraction`` from
+    PYTORCH_CUDA_ALLOC_CONF (None: no CUDA here to ask)."""
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": f"per_process_memory_fraction:{fraction:.4f}"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _CAP_PROBE], capture_output=True, text=True, env=env, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    try:
+        return abs(float(done.stdout.strip().splitlines()[-1]) - round(fraction, 4)) < 1e-3
+    except (ValueError, IndexError):
+        return None
+
+
 def step_profiles(root: Path, total_bytes: int | None) -> dict[str, Any]:
     import tomli_w
 
@@ -380,7 +402,7 @@ def step_profiles(root: Path, total_bytes: int | None) -> dict[str, Any]:
         (directory / f"{name}.toml").write_bytes(tomli_w.dumps(data).encode())
         written[name] = str(directory / f"{name}.toml")
     result = {"device_total_bytes": total, "cap_bytes": HEADLESS_3090_BYTES, "cap_fraction": fraction,
-              "profiles": written}
+              "profiles": written, "allocator_cap_honoured": allocator_cap_honoured(fraction)}
     _write(root, "profiles", result)
     return result
 
