@@ -90,14 +90,19 @@ def _random_words(count: int, seed: int):
 
 def _int4_words(count: int, seed: int):
     """Packed words of 8 int4 codes in [-7, 7]: a stored nibble n is the code n - 8, and the
-    one nibble value outside the symmetric range (0, code -8) is replaced by 8 (code 0)."""
+    one nibble value outside the symmetric range (0, code -8) is replaced by 8 (code 0),
+    with in-place bit operations on the words (a table lookup a byte measured slower)."""
     import numpy as np
 
     words = _random_words(count, seed)
-    spread = words | (words >> np.uint32(1))
-    spread |= spread >> np.uint32(2)
-    zero = ~spread & np.uint32(0x11111111)  # bit 0 of each all-zero nibble
-    words |= zero << np.uint32(3)
+    spread = np.right_shift(words, np.uint32(1))
+    spread |= words
+    other = np.right_shift(spread, np.uint32(2))
+    spread |= other
+    np.invert(spread, out=spread)
+    spread &= np.uint32(0x11111111)  # bit 0 of each all-zero nibble
+    spread <<= np.uint32(3)
+    words |= spread
     return words.view(np.int32)
 
 

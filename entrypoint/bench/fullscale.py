@@ -4,6 +4,7 @@ The lent machine lives 30 minutes and a call 10, so each step is a command of it
 writes its JSON under ``ROOT/results`` as soon as it knows something (docs/performance.md,
 "Running it"):
 
+    qwen38 bench fullscale rates     --root R            # per-core draw rates here -> projected generate time
     qwen38 bench fullscale generate  --root R            # full-size artifacts (qwen38 generate --size full)
     qwen38 bench fullscale requantize --root R           # int8 embed/lm_head: RSS vs largest tensor, MB/s vs disk
     qwen38 bench fullscale adapter   --root R            # the spark-lora adapter from the NVFP4 target
@@ -246,6 +247,68 @@ def prefill_tok_s(prompt_tokens: int, ttft_s: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------
+# How long generating the full size should take (a projection from per-core rates)
+
+
+def bytes_by_recipe(size: str = "full") -> dict[str, int]:
+    """Bytes the preset's default models hold, by the recipe that draws them."""
+    from prepare.synthetic import preset, variant_tensors
+
+    p = preset(size)
+    out: dict[str, int] = {}
+    for variant in p.variants:
+        for t in variant_tensors(p, variant):
+            kind = "int4" if t.recipe.kind.startswith("int4") else t.recipe.kind
+            out[kind] = out.get(kind, 0) + t.nbytes
+    return out
+
+
+def generation_projection(
+    by_kind: dict[str, int], rates_mb_s: dict[str, float], cores: int, disk_write_mb_s: float, sha256_mb_s: float
+) -> dict[str, float]:
+    """Seconds to draw (all cores), to write (the disk), and to hash into the manifests (all
+    cores, from the page cache); drawing and writing overlap, hashing follows."""
+    total = sum(by_kind.values())
+    draw = sum(n / (rates_mb_s.get(kind, rates_mb_s["const"]) * 1e6) for kind, n in by_kind.items()) / cores
+    write = total / (disk_write_mb_s * 1e6)
+    hashing = total / (sha256_mb_s * 1e6 * cores)
+    return {"bytes": total, "draw_s": draw, "write_s": write, "hash_s": hashing,
+            "projected_s": max(draw, write) + hashing}
+
+
+def measure_rates() -> dict[str, float]:
+    """MB/s one core draws for each recipe kind (one process, one intra-op thread)."""
+    import hashlib
+
+    import torch
+
+    from prepare.generate import BLOCK_BYTES, draw_block
+    from prepare.synthetic import Recipe, StoredTensor
+
+    torch.set_num_threads(1)
+    cases = {
+        "int4": StoredTensor("int4", "I32", (17408, 640), Recipe("int4_ct")),
+        "e2m1": StoredTensor("e2m1", "U8", (17408, 2560), Recipe("e2m1")),
+        "fp8_normal": StoredTensor("fp8", "F8_E4M3", (6144, 5120), Recipe("fp8_normal", std=0.02, scale=3e-4)),
+        "normal": StoredTensor("normal", "BF16", (3200, 5120), Recipe("normal", std=0.02)),
+        "const": StoredTensor("const", "BF16", (3200, 5120), Recipe("const", value=1.0)),
+    }
+    rates = {}
+    for kind, t in cases.items():
+        step = max(1, BLOCK_BYTES // (t.nbytes // t.shape[0]))
+        began, written = time.perf_counter(), 0
+        for block, start in enumerate(range(0, t.shape[0], step)):
+            written += len(draw_block(t, start, min(t.shape[0], start + step), 1, block))
+        rates[kind] = written / (time.perf_counter() - began) / 1e6
+    data = bytes(256 << 20)
+    began = time.perf_counter()
+    hashlib.sha256(data).hexdigest()
+    rates["sha256"] = len(data) / (time.perf_counter() - began) / 1e6
+    rates["const"] = max(rates["const"], 1.0)
+    return rates
+
+
+# ---------------------------------------------------------------------------------------
 # Steps (I/O)
 
 
@@ -285,10 +348,10 @@ def disk_speed(directory: Path, size: int = 4 << 30) -> dict[str, float]:
     return {"write_mb_s": size / write_s / 1e6, "read_mb_s": size / read_s / 1e6, "bytes": size}
 
 
-def step_generate(root: Path, size: str, workers: int | None) -> dict[str, Any]:
+def step_generate(root: Path, size: str, workers: int | None, disk_bytes: int = 4 << 30) -> dict[str, Any]:
     models = root / "models" / "artifacts"
     models.mkdir(parents=True, exist_ok=True)
-    result = {"disk": disk_speed(models.parent)}
+    result = {"disk": disk_speed(models.parent, disk_bytes)}
     _write(root, "generate", result)
     from prepare.generate import generate
 
@@ -582,8 +645,17 @@ def _versions() -> dict[str, str]:
 def _cmd(args: argparse.Namespace) -> int:
     root = Path(args.root)
     step = args.step
-    if step == "generate":
-        result = step_generate(root, args.size, args.workers)
+    if step == "rates":
+        rates = measure_rates()
+        by_kind = bytes_by_recipe(args.size)
+        projections = {
+            f"{cores} cores, disk {disk:.0f} MB/s": generation_projection(by_kind, rates, cores, disk, rates["sha256"])
+            for cores in (args.cores,) for disk in args.disk_mb_s
+        }
+        result = {"rates_mb_s_per_core": rates, "bytes_by_recipe": by_kind, "load_average": os.getloadavg(),
+                  "projection": projections}
+    elif step == "generate":
+        result = step_generate(root, args.size, args.workers, args.disk_bytes)
     elif step == "requantize":
         result = step_requantize(root)
     elif step == "adapter":
@@ -613,15 +685,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Qwen3.8-27B's own shapes on a GPU: generate, requantize, serve, measure (one step a call)",
         description=__doc__.split("\n\n")[0],
     )
-    parser.add_argument("step", choices=("generate", "requantize", "adapter", "profiles", "start", "wait", "measure",
+    parser.add_argument("step", choices=("rates", "generate", "requantize", "adapter", "profiles", "start", "wait", "measure",
                                          "stop", "report"))
     parser.add_argument("profile", nargs="?", help="served profile (start/wait/measure/stop), e.g. single-full")
     parser.add_argument("--root", required=True, help="work directory (models, profiles, cache, logs, results)")
     parser.add_argument("--size", default="full", help="generator preset (default full; small for a dry run)")
     parser.add_argument("--workers", type=int, default=None, help="generator processes (default: every core)")
+    parser.add_argument("--disk-bytes", type=int, default=4 << 30, help="generate: bytes of the disk speed test")
     parser.add_argument("--device-bytes", type=int, default=None, help="device memory (default: read from CUDA)")
     parser.add_argument("--port", type=int, default=18030)
     parser.add_argument("--timeout", type=float, default=540.0, help="wait: seconds at most (one call's budget)")
     parser.add_argument("--quick", action="store_true", help="measure: fewer requests (a short lease)")
     parser.add_argument("--out", default=None, help="report: the JSON to write (docs/gpu/DATE-GPU-fullscale.json)")
+    parser.add_argument("--cores", type=int, default=16, help="rates: cores of the machine projected to (default 16)")
+    parser.add_argument("--disk-mb-s", type=float, nargs="+", default=[500.0, 1000.0, 2000.0],
+                        help="rates: disk write speeds projected to (MB/s)")
     parser.set_defaults(func=_cmd)

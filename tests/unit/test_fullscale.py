@@ -111,3 +111,39 @@ def test_without_cuda_the_allocator_cap_cannot_be_asked():
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine answers the question (the GPU run records it)")
     assert fs.allocator_cap_honoured(0.5) is None
+
+
+def test_generation_time_is_the_slower_of_drawing_and_writing_then_hashing():
+    by_kind = {"int4": 4_000_000_000, "normal": 1_000_000_000}
+    rates = {"int4": 100.0, "normal": 50.0, "const": 1000.0}
+    got = fs.generation_projection(by_kind, rates, cores=4, disk_write_mb_s=1000.0, sha256_mb_s=500.0)
+    assert got["draw_s"] == pytest.approx((40 + 20) / 4)  # 15 s on 4 cores
+    assert got["write_s"] == pytest.approx(5.0) and got["hash_s"] == pytest.approx(2.5)
+    assert got["projected_s"] == pytest.approx(15 + 2.5)
+
+
+def test_the_full_size_bytes_by_recipe_add_up_to_the_four_artifacts():
+    from prepare.synthetic import PRESETS, variant_tensors
+
+    full = PRESETS["full"]
+    total = sum(t.nbytes for v in full.variants for t in variant_tensors(full, v))
+    by_kind = fs.bytes_by_recipe("full")
+    assert sum(by_kind.values()) == total and by_kind["int4"] > by_kind["e2m1"] > 0
+
+
+def test_the_cpu_steps_run_at_small_size_and_write_their_results(tmp_path):
+    """The lent GPU's first four steps, dry-run here on the `small` preset."""
+    root = tmp_path / "run"
+    generated = fs.step_generate(root, "small", workers=1, disk_bytes=32 << 20)
+    assert generated["disk"]["write_mb_s"] > 0 and set(generated["generated"]["models"]) >= {
+        "qwen3.8-27b-w4a16", "qwen3.8-27b-nvfp4", "qwen3.8-27b-dflash2", "qwen3.8-27b-dflash2-w4a16"}
+    requantized = fs.step_requantize(root)
+    assert requantized["exit"] == 0 and requantized["peak_rss_bytes"] > 0
+    assert requantized["largest_tensor"]["name"].endswith(("embed_tokens.weight", "lm_head.weight"))
+    assert "fraction_of_disk_bound" in requantized
+    assert fs.step_adapter(root)["exit"] == 0
+    profiles = fs.step_profiles(root, total_bytes=4 * fs.HEADLESS_3090_BYTES)
+    assert profiles["cap_fraction"] == pytest.approx(0.25) and len(profiles["profiles"]) == 5
+    written = sorted(p.name for p in (root / fs.RESULTS).iterdir())
+    assert written == ["adapter.json", "generate.json", "profiles.json", "requantize.json"]
+    assert (root / "models" / "prepared" / "qwen3.8-27b-w4a16-int8" / "qwen38-manifest.json").exists()
