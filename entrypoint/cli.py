@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "prepare.lock",
     "prepare.commands",
     "prepare.tiny",
+    "prepare.generate",
     "prepare.adapter",
     "entrypoint.doctor",
     "entrypoint.patches",

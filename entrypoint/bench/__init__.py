@@ -17,6 +17,8 @@ BENCH_MODULES: tuple[str, ...] = (
     "entrypoint.bench.verify",
     "entrypoint.bench.requantize",
     "entrypoint.bench.adapter",
+    "entrypoint.bench.fullscale",
+    "entrypoint.bench.roofline",
 )
 
 

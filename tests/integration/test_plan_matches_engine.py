@@ -12,7 +12,7 @@ import pytest
 
 from entrypoint.plan import plan_profile
 from entrypoint.profiles import Profile
-from tests.support.tiny_hybrid import build_tiny_hybrid
+from prepare.generate import int8_embed_pair
 from tests.support.vllm_views import child_pythonpath, run_python, vllm_views  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -34,7 +34,7 @@ if __name__ == "__main__":
 
 def test_cpu_plan_equals_what_the_engine_logs(vllm_views, tmp_path_factory, tmp_path, monkeypatch):
     models = tmp_path_factory.mktemp("models")
-    tiny = build_tiny_hybrid(models / "build")
+    tiny = int8_embed_pair(models / "build")
     (models / "tiny-hybrid").symlink_to(tiny["dequantized"])
     profile = Profile.model_validate(
         {

@@ -31,9 +31,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from prepare.generate import generate_model
 from prepare.int8_pack import dequantize_rows
 from prepare.requantize import requantize_checkpoint
-from tests import tiny_qwen35
 from tests.support.cpu_kernels import skip_without_vllm_cpu_op
 from tests.support.vllm_views import child_pythonpath
 
@@ -95,7 +95,7 @@ def assert_same_answers(got: dict, want: dict, tol: float = 2e-3, tie: float = 0
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {"bf16": tiny_qwen35.bf16_target(root / "bf16"), "w4a16": tiny_qwen35.build_w4a16_target(root / "w4a16")}
+    return {kind: generate_model(root / kind, "tiny-vl", f"qwen3.8-27b-{kind}") for kind in ("bf16", "w4a16")}
 
 
 def served_base(tiny: dict[str, Path], kind: str) -> Path:

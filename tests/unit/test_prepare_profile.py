@@ -20,7 +20,7 @@ from prepare.identity import DerivedIdentity
 from prepare.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from prepare.pipeline import plan_profile, prepare_profile
 from prepare.requantize import TRANSFORM_VERSION, requantize_checkpoint
-from tests import tiny_qwen35
+from prepare.generate import generate_model
 from tests.pinning_support import (  # noqa: F401 (hf_isolated, hub, no_racy_window are fixtures)
     hf_isolated,
     hub,
@@ -45,7 +45,8 @@ def _files(directory: Path) -> dict[str, bytes]:
 def upstream(tmp_path_factory) -> dict[str, dict[str, bytes]]:
     """What the two hub repos hold: a tiny W4A16 target in the real layout and a drafter."""
     root = tmp_path_factory.mktemp("upstream")
-    target = tiny_qwen35.build_w4a16_target(root / "target")
+    target = generate_model(root / "target", "tiny-vl", "qwen3.8-27b-w4a16")
+    (target / MANIFEST_NAME).unlink()  # what the hub repo holds: the files, no manifest of ours
     write_model_files(root / "drafter", seed=5)
     return {TARGET: _files(target), DRAFTER: _files(root / "drafter")}
 
