@@ -27,6 +27,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -172,25 +173,76 @@ class RunLock:
             self._handle = None
 
 
-def clean_leftovers(record: RunRecord | None, wait_s: float = LEFTOVER_EXIT_WAIT_S) -> list[str]:
-    """Kill the live processes of a previous start's instance; what was killed, for people."""
-    if record is None:
-        return []
-    pids = processes_of_instance(record.instance)
-    described = [describe(pid) for pid in pids]
-    for pid in pids:
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def kill_instance(instance: str, wait_s: float = LEFTOVER_EXIT_WAIT_S, tracker_grace_s: float = 2.0) -> list[str]:
+    """SIGKILL every live process of ``instance``; what was killed, for people.
+
+    Python's multiprocessing resource trackers go last: once the processes they serve are
+    gone they remove the shared memory those leaked, then exit by themselves."""
+    found = processes_of_instance(instance)
+    described = [describe(pid) for pid in found]
+    for pid in found:
+        if not _is_resource_tracker(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + tracker_grace_s
+    while time.monotonic() < deadline and processes_of_instance(instance):
+        time.sleep(0.05)
+    for pid in processes_of_instance(instance):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and processes_of_instance(record.instance):
+    while time.monotonic() < deadline and processes_of_instance(instance):
         time.sleep(0.1)
-    still = processes_of_instance(record.instance)
+    still = processes_of_instance(instance)
     if still:
         raise LaunchError(
-            f"processes {', '.join(map(str, still))} left by an earlier start (instance {record.instance}) "
-            f"survived SIGKILL for {wait_s:.0f} s; find them with `ps -o pid,stat,cmd -p {','.join(map(str, still))}`"
+            f"processes {', '.join(map(str, still))} of instance {instance} survived SIGKILL for {wait_s:.0f} s; "
+            f"find them with `ps -o pid,stat,cmd -p {','.join(map(str, still))}`"
         )
     return described
+
+
+def clean_leftovers(record: RunRecord | None) -> list[str]:
+    """Kill what a previous start (whose supervisor is gone: we hold the lock) left alive."""
+    return [] if record is None else kill_instance(record.instance)
+
+
+def start_reaper(instance: str) -> int:
+    """Fork a process that kills every process of ``instance`` once this one is gone.
+
+    A parent-death signal reaches only a process's own children, and vLLM *spawns* its
+    engine core on CPU (a new interpreter, no fork hook runs), so when `qwen38 serve` is
+    killed with SIGKILL something else has to end its engine. The reaper holds the read end
+    of a pipe whose write end only this process has (non-inheritable: the engine's exec
+    closes it); the kernel closes it when this process dies, however it dies, and the reaper
+    wakes, kills the instance's processes and exits. It runs in its own session, so a signal
+    to this process group does not take it too. Returns the write end (keep it open).
+    """
+    read_end, write_end = os.pipe()
+    if os.fork() == 0:  # pragma: no cover (exercised through a child process in the tests)
+        code = 0
+        try:
+            os.setsid()
+            os.closerange(3, read_end)  # the run lock's fd among them: the lock stays the supervisor's
+            os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))
+            while os.read(read_end, 1):
+                pass
+            killed = kill_instance(instance)
+            if killed:
+                print(f"qwen38: `qwen38 serve` is gone: killed its {len(killed)} engine processes", file=sys.stderr)
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(read_end)
+    return write_end
 
 
 def check_address_free(host: str, port: int) -> None:

@@ -77,7 +77,7 @@ class Settings(BaseSettings):
     vllm_api_key: SecretStr | None = _knob(
         None,
         "security",
-        "API key clients send as `Authorization: Bearer <key>`. Prefer API_KEY_FILE.",
+        "API key clients send as `Authorization: Bearer <key>` or `x-api-key: <key>`. Prefer API_KEY_FILE.",
         example="",
     )
     api_key_file: Path | None = _knob(
@@ -182,7 +182,8 @@ class Settings(BaseSettings):
     publish_address: str = _knob(
         "127.0.0.1",
         "compose",
-        "Host address the API port is published on (0.0.0.0: every interface; the API key guards /v1).",
+        "Host address the API port is published on (0.0.0.0: every interface; the API key guards every "
+        "route but /health and /ping).",
     )
     publish_port: int = _knob(18020, "compose", "Host port the API is published on.", ge=1, le=65535)
 

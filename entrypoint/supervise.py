@@ -16,6 +16,9 @@ and waits. It stays the process that gets the signals (PID 2 under tini in the i
 - the engine exiting by itself (a crash, the gate failing closed, kill -9): its process group
   is swept (SIGKILL after ``GROUP_GRACE_S``), the status says why, and the exit code is
   non-zero.
+- this process killed (kill -9): the API server has a parent-death signal, and a reaper
+  process (`lifecycle.start_reaper`) kills every process of the instance (vLLM spawns its
+  engine core on CPU, out of reach of a parent-death signal set here).
 
 In every case the status file ends as ``ready: false`` and the run record is removed.
 """
@@ -194,6 +197,8 @@ class Supervisor:
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
         signal.signal(signal.SIGALRM, self._on_deadline)
+        # Before any thread starts: the reaper is forked, and ends the engine if we are killed.
+        self._reaper_pipe = lifecycle.start_reaper(self.start.instance)
         self.pid = self._spawn()
         lifecycle.RunRecord(
             profile=self.start.profile.name,
@@ -224,7 +229,12 @@ class Supervisor:
         while lifecycle.group_members(self.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         leftovers = [p for p in lifecycle.group_members(self.pid) if p != self.pid]
-        self._kill_group()
+        if leftovers:
+            try:  # the resource trackers last: they remove the shared memory the others leaked
+                lifecycle.kill_instance(self.start.instance, wait_s=5.0)
+            except LaunchError as exc:
+                say(str(exc))
+        self._kill_group()  # anything of the group left without the instance's mark
         _, status = os.waitpid(self.pid, 0)
         signal.setitimer(signal.ITIMER_REAL, 0)
         code = os.waitstatus_to_exitcode(status)

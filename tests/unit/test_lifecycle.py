@@ -153,30 +153,38 @@ def test_an_engine_that_ignores_sigterm_is_killed_with_its_whole_group_at_the_bo
             os.kill(pid, signal.SIGKILL)
 
 
-def test_forked_engine_processes_die_with_their_parent(tmp_path):
-    """engine_main's parent-death signal, inherited through fork by its at-fork hook."""
+def test_when_serve_is_killed_its_reaper_ends_every_process_of_the_instance(tmp_path):
+    """What a parent-death signal cannot do: the engine core vLLM spawns (a new interpreter)
+    outlives the API server; the reaper, woken by its pipe closing, kills it too."""
+    instance = "cccc000011112222"
     code = textwrap.dedent(
-        """
-        import os, time
-        from entrypoint import engine_main
-        engine_main.die_with_parent(os.getppid())
-        os.register_at_fork(before=engine_main._before_fork, after_in_child=engine_main._after_fork_in_child)
-        child = os.fork()
-        if child == 0:
-            time.sleep(300)
-        print(child, flush=True)
+        f"""
+        import os, subprocess, sys, time
+        from entrypoint.lifecycle import start_reaper
+        start_reaper({instance!r})
+        env = {{**os.environ, "QWEN38_INSTANCE": {instance!r}}}
+        inner = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)"
+        subprocess.Popen([sys.executable, "-c", inner], env=env)
+        print("started", flush=True)
         time.sleep(300)
         """
     )
-    middle = subprocess.Popen(
+    serve = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
-    grandchild = int(middle.stdout.readline())
-    middle.kill()  # SIGKILL: no cleanup code runs in it
-    middle.wait()
-    deadline = time.monotonic() + 5
-    while Path(f"/proc/{grandchild}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    state = Path(f"/proc/{grandchild}/stat").read_text().split()[2] if Path(f"/proc/{grandchild}").exists() else "gone"
-    assert state in ("gone", "Z")
+    try:
+        assert serve.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 20
+        while len(processes_of_instance(instance)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(processes_of_instance(instance)) == 2  # a spawned "engine" and its own child
+        serve.kill()  # SIGKILL: no cleanup code runs in it
+        serve.wait()
+        deadline = time.monotonic() + 10
+        while processes_of_instance(instance) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert processes_of_instance(instance) == []
+    finally:
+        for pid in processes_of_instance(instance):
+            os.kill(pid, signal.SIGKILL)
