@@ -43,7 +43,8 @@ class StackMiddleware:
 
         async def stamped(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*(message.get("headers") or []), (INSTANCE_HEADER.encode(), instance)]}
+                headers = [*(message.get("headers") or []), (INSTANCE_HEADER.encode(), instance)]
+                message = {**message, "headers": headers}
             await send(message)
 
         await self.app(scope, receive, stamped)

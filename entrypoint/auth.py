@@ -103,7 +103,8 @@ class ApiKeyGuard:
 async def send_unauthorized(scope: Scope, send: Send) -> None:
     path = scope.get("path", "")
     if path.startswith("/v1/messages"):  # Anthropic's error shape for its own API
-        body: dict[str, Any] = {"type": "error", "error": {"type": "authentication_error", "message": UNAUTHORIZED_MESSAGE}}
+        error = {"type": "authentication_error", "message": UNAUTHORIZED_MESSAGE}
+        body: dict[str, Any] = {"type": "error", "error": error}
     else:
         body = {"error": {"message": UNAUTHORIZED_MESSAGE, "type": "authentication_error", "param": None, "code": 401}}
     payload = json.dumps(body).encode("utf-8")

@@ -36,7 +36,7 @@ from entrypoint.auth import ASGIApp, Message, Receive, Scope, Send
 
 DRAIN_ENV = "QWEN38_DRAIN_S"
 STOP_SIGNAL = signal.SIGUSR1
-ENGINE_GRACE_S = 5  # vLLM's drain runs this much longer than ours: we end streams first, its
+ENGINE_GRACE_S = 3  # vLLM's drain runs this much longer than ours: we end streams first, its
 # engine then tears down (workers, memory) before vLLM would kill it
 POLL_S = 0.1
 SHUTDOWN_MESSAGE = "the server is shutting down: this request was ended before it finished; retry it"
@@ -58,7 +58,8 @@ def terminal_event(path: str) -> bytes:
 def unavailable_body(path: str) -> bytes:
     if path.startswith("/v1/messages"):
         return json.dumps({"type": "error", "error": {"type": "api_error", "message": SHUTDOWN_MESSAGE}}).encode()
-    return json.dumps({"error": {"message": SHUTDOWN_MESSAGE, "type": "server_error", "param": None, "code": 503}}).encode()
+    error = {"message": SHUTDOWN_MESSAGE, "type": "server_error", "param": None, "code": 503}
+    return json.dumps({"error": error}).encode()
 
 
 class _Exchange:

@@ -116,7 +116,9 @@ def run_gate(
     if client.has_key:
         keyless = client.get("/v1/models", api_key=None).status_code
         if keyless != 401:
-            raise ReadinessError(f"/v1/models answered {keyless} to a request without the API key: the key guard is not in place")
+            raise ReadinessError(
+                f"/v1/models answered {keyless} to a request without the API key: the key guard is not in place"
+            )
         report.checks.append("key: a request without it gets 401")
     try:
         report.canary = _greedy(client, base_id)

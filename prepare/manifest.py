@@ -185,7 +185,8 @@ def content_files(directory: Path | str) -> list[Path]:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in files:
             path = Path(root, name)
-            if _is_content(PurePosixPath(path.relative_to(directory).as_posix())) and (path.is_file() or path.is_symlink()):
+            is_file = path.is_file() or path.is_symlink()
+            if is_file and _is_content(PurePosixPath(path.relative_to(directory).as_posix())):
                 found.append(path)
     return sorted(found)
 

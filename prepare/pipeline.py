@@ -271,7 +271,9 @@ def _one_preparer(models_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise PrepareError(f"{models_dir}: another `qwen38 prepare --profile` is running here; wait for it") from None
+            raise PrepareError(
+                f"{models_dir}: another `qwen38 prepare --profile` is running here; wait for it"
+            ) from None
         yield
 
 

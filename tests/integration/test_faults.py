@@ -81,9 +81,9 @@ def test_the_key_opens_every_api_as_bearer_or_as_x_api_key(cpu_server):
 
     ids = [m.id for m in openai.OpenAI(base_url=f"{cpu_server.base_url}/v1", api_key=cpu_server.api_key).models.list()]
     assert "qwen3.8-27b" in ids
-    message = anthropic.Anthropic(base_url=cpu_server.base_url, api_key=cpu_server.api_key, max_retries=0).messages.create(
-        model="qwen3.8-27b", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
-    )  # the Anthropic SDK sends x-api-key
+    claude = anthropic.Anthropic(base_url=cpu_server.base_url, api_key=cpu_server.api_key, max_retries=0)
+    message = claude.messages.create(model="qwen3.8-27b", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    # (the Anthropic SDK sends the key as x-api-key)
     assert message.usage.output_tokens >= 1
     with httpx.Client(base_url=cpu_server.base_url, headers={"x-api-key": cpu_server.api_key}, timeout=60) as http:
         assert http.post("/tokenize", json={"model": "qwen3.8-27b", "prompt": "hi"}).status_code == 200
@@ -94,13 +94,17 @@ def test_the_key_opens_every_api_as_bearer_or_as_x_api_key(cpu_server):
 # ---- a busy port, another server ----------------------------------------------------------
 
 
-def test_a_second_serve_on_a_busy_port_fails_at_once_and_never_reports_ready(cpu_server, tiny_root, api_key_file, tmp_path):
+def test_a_second_serve_on_a_busy_port_fails_at_once_and_never_reports_ready(
+    cpu_server, tiny_root, api_key_file, tmp_path
+):
     port = cpu_server.base_url.rsplit(":", 1)[1]
     env = clean_env(MODELS_DIR=str(tiny_root), API_KEY_FILE=str(api_key_file), PORT=port, CACHE_DIR=str(tmp_path))
     started = time.monotonic()
     result = run_cli("serve", "--profile", "cpu", env=env, cwd=tmp_path, timeout=120)
     assert result.returncode == 2
-    assert result.stderr == f"qwen38: launch: 127.0.0.1:{port} is already in use by another process; stop it or set PORT to a free port\n"
+    assert result.stderr == (
+        f"qwen38: launch: 127.0.0.1:{port} is already in use by another process; stop it or set PORT to a free port\n"
+    )
     assert time.monotonic() - started < 60
     assert not (tmp_path / "run" / "cpu.status.json").exists()
 
@@ -119,7 +123,8 @@ def test_the_gate_and_the_healthcheck_refuse_a_server_started_by_another_instanc
     env = clean_env(API_KEY_FILE=str(api_key_file), CACHE_DIR=str(tmp_path))
     stale = run_cli("ready", "--quick", "--profile", "cpu", "--base-url", cpu_server.base_url, env=env, timeout=60)
     assert stale.returncode == 2 and "is answered by another server (instance " in stale.stderr
-    (tmp_path / "run" / "cpu.status.json").write_text(json.dumps({"ready": True, "instance": cpu_server.status()["instance"]}))
+    own_status = {"ready": True, "instance": cpu_server.status()["instance"]}
+    (tmp_path / "run" / "cpu.status.json").write_text(json.dumps(own_status))
     own = run_cli("ready", "--quick", "--profile", "cpu", "--base-url", cpu_server.base_url, env=env, timeout=60)
     assert own.returncode == 0 and own.stdout == "ready\n", own.stderr
 

@@ -163,7 +163,8 @@ def test_when_serve_is_killed_its_reaper_ends_every_process_of_the_instance(tmp_
         from entrypoint.lifecycle import start_reaper
         start_reaper({instance!r})
         env = {{**os.environ, "QWEN38_INSTANCE": {instance!r}}}
-        inner = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)"
+        sleep = "import time; time.sleep(300)"
+        inner = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {{sleep!r}}]); time.sleep(300)"
         subprocess.Popen([sys.executable, "-c", inner], env=env)
         print("started", flush=True)
         time.sleep(300)
