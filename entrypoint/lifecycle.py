@@ -229,6 +229,8 @@ def start_reaper(instance: str) -> int:
     if os.fork() == 0:  # pragma: no cover (exercised through a child process in the tests)
         code = 0
         try:
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGALRM, signal.SIGUSR1):
+                signal.signal(signum, signal.SIG_DFL)  # none of the parent's handlers
             os.setsid()
             os.closerange(3, read_end)  # the run lock's fd among them: the lock stays the supervisor's
             os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))

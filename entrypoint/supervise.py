@@ -130,6 +130,9 @@ class Supervisor:
             try:
                 os.setpgid(0, 0)
                 die_with_parent(parent)
+                # Ignored across the exec until the app handles it (entrypoint.drain): a stop
+                # during the start must not end the engine through SIGUSR1's default action.
+                signal.signal(STOP_SIGNAL, signal.SIG_IGN)
                 os.execve(argv[0], argv, env)
             finally:
                 os._exit(127)
@@ -155,7 +158,10 @@ class Supervisor:
         signal.setitimer(signal.ITIMER_REAL, self.bound)
 
     def _on_signal(self, signum: int, _frame) -> None:
-        self.request_stop(signal.Signals(signum).name)
+        if self.gate_failed and self.stop_reason is None:
+            self.request_stop("the readiness gate failed")
+        else:
+            self.request_stop(signal.Signals(signum).name)
 
     def _on_deadline(self, _signum: int, _frame) -> None:
         say(f"the engine did not exit within {self.bound:.0f} s of the stop: killing its processes")
@@ -194,11 +200,11 @@ class Supervisor:
     # ---- the run ---------------------------------------------------------------------
 
     def run(self) -> int:
+        # First, before any thread or handler: the reaper, which ends the engine if we are killed.
+        self._reaper_pipe = lifecycle.start_reaper(self.start.instance)
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
         signal.signal(signal.SIGALRM, self._on_deadline)
-        # Before any thread starts: the reaper is forked, and ends the engine if we are killed.
-        self._reaper_pipe = lifecycle.start_reaper(self.start.instance)
         self.pid = self._spawn()
         lifecycle.RunRecord(
             profile=self.start.profile.name,

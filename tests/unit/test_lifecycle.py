@@ -153,6 +153,38 @@ def test_an_engine_that_ignores_sigterm_is_killed_with_its_whole_group_at_the_bo
             os.kill(pid, signal.SIGKILL)
 
 
+GATED = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    import entrypoint.supervise as supervise
+    from entrypoint.launch import Invocation
+    from entrypoint.profiles import load_profile
+    from entrypoint.ready import Watcher
+    from entrypoint.settings import Settings
+
+    settings = Settings(_env_file=None, cache_dir=Path(sys.argv[1]), port=int(sys.argv[2]), ready_timeout=10)
+    start = supervise.begin_start(load_profile("cpu"), settings)
+    engine = [sys.executable, "-c", "import time; time.sleep(300)"]  # never answers /health
+    invocation = Invocation(engine, {}, {}, Path("unused.yaml"), "k")
+    gate = Watcher(load_profile("cpu"), settings, None, instance=start.instance)
+    sys.exit(supervise.supervise(invocation, start, gate=gate.run))
+    """
+)
+
+
+def test_a_gate_that_cannot_pass_stops_the_supervised_engine_and_says_why(tmp_path):
+    supervisor = subprocess.run(
+        [sys.executable, "-c", GATED, str(tmp_path / "cache"), str(free_port())],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
+    )  # fmt: skip
+    assert supervisor.returncode == 1
+    assert "qwen38: the readiness gate failed: stopping the engine" in supervisor.stderr
+    status = json.loads((tmp_path / "cache" / "run" / "cpu.status.json").read_text())
+    assert status["ready"] is False and "did not answer 200 within 10 s" in status["error"]
+    assert not (tmp_path / "cache" / "run" / "cpu.run.json").exists()
+
+
 def test_when_serve_is_killed_its_reaper_ends_every_process_of_the_instance(tmp_path):
     """What a parent-death signal cannot do: the engine core vLLM spawns (a new interpreter)
     outlives the API server; the reaper, woken by its pipe closing, kills it too."""
