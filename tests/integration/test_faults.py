@@ -10,8 +10,8 @@ What a new user could do wrong or run into, each kept fixed here:
 - a reverted or an edited patched file; a corrupted model, its repair, a repair killed
   half-way; a garbage ``.env``.
 
-The stop tests share one cache directory, one after another, so every start after the first
-reuses the plan and the compile caches.
+The stop tests' servers run one after another in one cache directory seeded from the shared
+server's, so none of them plans or compiles from scratch.
 """
 
 from __future__ import annotations
@@ -59,11 +59,13 @@ def test_every_route_vllm_registers_refuses_a_request_without_the_key(cpu_server
     routes = logged_routes(cpu_server.log.read_text(errors="replace"))
     paths = {path for _, path in routes}
     assert len(routes) >= 30 and {"/invocations", "/tokenize", "/scale_elastic_ep", "/v1/messages"} <= paths
-    documented = httpx.get(f"{cpu_server.base_url}/openapi.json", headers={"x-api-key": cpu_server.api_key}).json()
+    documented = httpx.get(
+        f"{cpu_server.base_url}/openapi.json", headers={"x-api-key": cpu_server.api_key}, timeout=60
+    ).json()
     assert set(documented["paths"]) <= paths  # the log is the complete table (it has /docs & co. besides)
 
     answered: dict[tuple[str, str], tuple[int, int]] = {}
-    with httpx.Client(base_url=cpu_server.base_url, timeout=30) as http:
+    with httpx.Client(base_url=cpu_server.base_url, timeout=60) as http:
         for method, path in sorted(routes | {("POST", "/a/route/a/later/vllm/adds")}):
             url = concrete(path)
             keyless = http.request(method, url, json={} if method == "POST" else None).status_code
@@ -133,9 +135,14 @@ def test_the_gate_and_the_healthcheck_refuse_a_server_started_by_another_instanc
 
 
 @pytest.fixture(scope="module")
-def stop_cache(tmp_path_factory) -> Path:
-    """One CACHE_DIR for the stop tests' servers, which run one after another."""
-    return tmp_path_factory.mktemp("stop-cache")
+def stop_cache(tmp_path_factory, cpu_server) -> Path:
+    """One CACHE_DIR for the stop tests' servers, which run one after another, seeded with the
+    shared server's plan and compile caches (same profile and settings): no start here is cold."""
+    cache = tmp_path_factory.mktemp("stop-cache")
+    for name in ("plan", "vllm"):
+        if (cpu_server.cache_dir / name).is_dir():
+            shutil.copytree(cpu_server.cache_dir / name, cache / name)
+    return cache
 
 
 def _serve(tmp_path, tiny_root, api_key_file, stop_cache, **settings):
