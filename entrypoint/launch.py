@@ -6,9 +6,10 @@ environment and ``--config`` YAML content. Nearly everything goes into the YAML 
 else there); the API key travels in the environment, never in argv, and is masked
 whenever an invocation is shown.
 
-`qwen38 serve` runs the flow of DESIGN.md: settings -> verify -> plan -> render -> exec,
-with the readiness gate running in a forked watcher so that vLLM itself becomes the
-process (PID 1 in a container, under tini) that receives SIGTERM.
+`qwen38 serve` runs the flow of DESIGN.md: settings -> verify -> plan -> render -> launch,
+where launch is a supervisor (`entrypoint.supervise`) that owns vLLM's processes, stops them
+within a bound and runs the readiness gate; `entrypoint.asgi.StackMiddleware`, named in the
+YAML, puts the API key guard around every route of vLLM's app.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -26,13 +26,15 @@ from typing import Any
 import yaml
 from pydantic import SecretStr
 
-from entrypoint.errors import LaunchError, SettingsError
+from entrypoint.asgi import API_KEY_ENV, MIDDLEWARE_PATH
+from entrypoint.drain import DRAIN_ENV, ENGINE_GRACE_S
+from entrypoint.errors import SettingsError
 from entrypoint.profiles import Profile, load_profile
 from entrypoint.settings import Settings, load_settings, read_api_key
 
-ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
+ENGINE_MODULE = "entrypoint.engine_main"  # vLLM's OpenAI server, tied to the supervisor's life
 MASK = "********"
-SECRET_ENV = frozenset({"VLLM_API_KEY"})
+SECRET_ENV = frozenset({API_KEY_ENV})
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,11 @@ def cudagraph_capture_limit(profile: Profile, resolved: Resolved) -> int | None:
     return resolved.max_num_seqs * width
 
 
+def shutdown_drain(profile: Profile, settings: Settings) -> int:
+    """Seconds SIGTERM lets in-flight requests run (SHUTDOWN_TIMEOUT, else the profile's)."""
+    return settings.shutdown_timeout if settings.shutdown_timeout is not None else profile.engine.shutdown_timeout
+
+
 def _engine_config(profile: Profile, settings: Settings, resolved: Resolved) -> dict[str, Any]:
     engine = profile.engine
     config: dict[str, Any] = {
@@ -182,6 +189,11 @@ def _engine_config(profile: Profile, settings: Settings, resolved: Resolved) -> 
         # Per-request cached-token counts: the cache-isolation validator reads them.
         "enable-prompt-tokens-details": True,
         "uvicorn-log-level": settings.log_level,
+        # The key guard around every route (vLLM's own covers /v1 & co. only), the instance
+        # header, and the end of open streams at shutdown (entrypoint.asgi).
+        "middleware": [MIDDLEWARE_PATH],
+        # vLLM drains a little longer than the guard, which ends what is still open first.
+        "shutdown-timeout": shutdown_drain(profile, settings) + ENGINE_GRACE_S,
     }
     optional = {
         "kv-cache-memory-bytes": resolved.kv_cache_memory_bytes,
@@ -260,12 +272,14 @@ def _engine_env(profile: Profile, settings: Settings, api_key: SecretStr | None,
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        DRAIN_ENV: str(shutdown_drain(profile, settings)),
     }
     if profile.platform == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = settings.cuda_visible_devices
     env.update(profile.env)
     if api_key is not None:
-        env["VLLM_API_KEY"] = api_key.get_secret_value()
+        # Our guard's variable, not VLLM_API_KEY: vLLM would install its own narrower check beside it.
+        env[API_KEY_ENV] = api_key.get_secret_value()
     return env
 
 
@@ -328,50 +342,21 @@ def write_run_files(invocation: Invocation) -> None:
     atomic_write_text(invocation.config_path, invocation.config_yaml())
 
 
-def exec_engine(invocation: Invocation, watcher=None) -> None:
-    """Replace this process with vLLM; `watcher(engine_pid)` runs in a detached grandchild.
-
-    The watcher is forked twice: the middle process exits at once and is reaped here before
-    the exec, so the watcher is re-parented to init (tini in the image), which reaps it when
-    it finishes. A plain child would stay a zombie under vLLM, which never waits for it.
-    """
-    env = {**os.environ, **invocation.env}
-    try:
-        os.stat(invocation.argv[0])
-    except FileNotFoundError:
-        raise LaunchError(f"engine interpreter {invocation.argv[0]} does not exist") from None
-    engine_pid = os.getpid()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if watcher is not None:
-        middle = os.fork()
-        if middle == 0:
-            if os.fork() == 0:
-                code = 1
-                try:
-                    code = watcher(engine_pid)
-                except KeyboardInterrupt:
-                    code = 130
-                finally:
-                    os._exit(code)
-            os._exit(0)
-        os.waitpid(middle, 0)
-    os.execve(invocation.argv[0], invocation.argv, env)
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     from entrypoint import ready
+    from entrypoint.supervise import begin_start, check_interpreter, supervise
 
     profile, settings, key = load(args)
+    start = begin_start(profile, settings)  # run lock, leftovers of a killed start, old verdict gone
     invocation = render_invocation(profile, settings, key)
+    check_interpreter(invocation)
     from entrypoint.preflight import run_preflight
 
     identity = run_preflight(profile, settings, invocation)
     write_run_files(invocation)
-    gate = ready.Watcher(profile, settings, key, identity=identity)
+    gate = ready.Watcher(profile, settings, key, identity=identity, instance=start.instance)
     print(f"qwen38: serving profile {profile.name} ({', '.join(profile.model_ids)}) on {gate.base_url}", flush=True)
-    exec_engine(invocation, watcher=None if args.no_ready_gate else gate.run)
-    return 0  # not reached
+    return supervise(invocation, start, gate=None if args.no_ready_gate else gate.run)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -386,10 +371,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     serve = subparsers.add_parser(
         "serve",
-        help="verify, plan, then exec vLLM for a profile (readiness gate in a watcher)",
+        help="verify, plan, then run vLLM for a profile under a supervisor (readiness gate, bounded stop)",
         description="Run the start-up flow: verify the pinned artifacts, plan memory, render the "
-        "invocation and exec vLLM, which becomes this process; a forked watcher runs the readiness "
-        "gate and stops the server if it fails.",
+        "invocation and run vLLM as a child this process supervises: it runs the readiness gate, "
+        "stops the server if the gate fails, and on SIGTERM stops every engine process within "
+        "the profile's drain plus a fixed margin.",
     )
     serve.add_argument("--profile", help="profile to serve (default: the PROFILE setting)")
     serve.add_argument("--no-ready-gate", action="store_true", help="do not run the readiness gate")

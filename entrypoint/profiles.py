@@ -26,6 +26,11 @@ KVCacheDType = Literal[
 MambaDType = Literal["auto", "float32", "float16", "bfloat16"]
 
 
+# The longest drain a profile or SHUTDOWN_TIMEOUT may ask for: with the supervisor's teardown
+# margin (entrypoint.supervise) it stays well inside compose's 60 s stop_grace_period.
+MAX_SHUTDOWN_TIMEOUT_S = 30
+SHUTDOWN_MARGIN_S = 15  # after the drain, for the engine's teardown before its processes are killed
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -153,6 +158,13 @@ class Engine(_Strict):
     additional_config: dict[str, Any] | None = None
     enable_flashinfer_autotune: bool | None = None
     language_model_only: bool = False
+    shutdown_timeout: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_SHUTDOWN_TIMEOUT_S,
+        description="Seconds SIGTERM lets in-flight requests finish before they are ended (vLLM's "
+        "--shutdown-timeout; 0: end them at once).",
+    )
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     structured_outputs_config: dict[str, Any] | None = None
@@ -189,7 +201,9 @@ class Profile(_Strict):
     cuda_arch: str | None = Field(default=None, description="Compute capability, e.g. 8.6.")
     require_api_key: bool = False
     require_patches: bool = Field(
-        default=False, description="Refuse to serve unless every patch of the series is delivered."
+        default=True,
+        description="Refuse to serve unless every patch of the series is delivered (every profile of this "
+        "stack runs the patched engine; only a test profile turns this off).",
     )
     served: Served
     models: Models

@@ -14,6 +14,7 @@ import importlib
 BENCH_MODULES: tuple[str, ...] = (
     "entrypoint.bench.serving",
     "entrypoint.bench.startup",
+    "entrypoint.bench.shutdown",
     "entrypoint.bench.verify",
     "entrypoint.bench.requantize",
     "entrypoint.bench.adapter",

@@ -70,11 +70,9 @@ class Tier:
 
     def launch(self, key: str, start: str = "cold"):
         tmp = self.factory.mktemp(f"{key}-{start}")
-        # The shared CACHE_DIR keeps the last run's verdict: the gate must be this start's.
-        (self.cache_dir / "run" / f"{KEYS[key]}.status.json").unlink(missing_ok=True)
         server = launch_server(
-            tmp, self.models, self.key_file, KEYS[key], PROFILES_DIR=str(self.profiles_dir),
-            CACHE_DIR=str(self.cache_dir), READY_TIMEOUT=str(READY_TIMEOUT_S),
+            tmp, self.models, self.key_file, KEYS[key], cache_dir=self.cache_dir,
+            PROFILES_DIR=str(self.profiles_dir), READY_TIMEOUT=str(READY_TIMEOUT_S),
         )
         self.servers[key] = server
         return server
