@@ -136,10 +136,17 @@ class StallCheck:
         self.timeout = timeout
         self._progress: tuple[float, float, float] | None = None
         self._progress_at = 0.0
+        self._busy = False
 
     def observe(self, sample: Sample) -> float | None:
-        """Seconds without progress while requests run, once that reaches the timeout; else None."""
-        if self._progress is None or sample.running == 0 or sample.progress() != self._progress:
+        """Seconds without progress while requests run, once that reaches the timeout; else None.
+
+        The clock starts at the first read that sees requests running (after an idle one) or
+        the last read that saw progress."""
+        busy = sample.running > 0
+        started = busy and not self._busy
+        self._busy = busy
+        if self._progress is None or not busy or started or sample.progress() != self._progress:
             self._progress, self._progress_at = sample.progress(), sample.at
             return None
         stalled = sample.at - self._progress_at
