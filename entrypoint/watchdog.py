@@ -57,6 +57,12 @@ METRICS_TIMEOUT_S = 10.0
 ACCEPTANCE_WINDOW_DRAFTS = 200  # the watchdog judges acceptance over this many drafts at a time
 
 STALL, CANARY, METRICS = "stall", "canary", "metrics"
+# What the supervisor says it stops the engine for (the watchdog's own line has the details).
+STOP_REASONS = {
+    STALL: "the watchdog found the engine stalled",
+    CANARY: "the watchdog's canary failed",
+    METRICS: "the watchdog could not read /metrics",
+}
 
 
 @dataclass(frozen=True)
@@ -256,7 +262,7 @@ class Watchdog:
         self.state.since = time.time()
         self.publish(self.state)
         if self.config.action == "stop" and stop is not None:
-            stop(f"the watchdog found a problem: {problem}")
+            stop(STOP_REASONS[kind])
             return True
         return False
 
