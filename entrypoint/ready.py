@@ -227,14 +227,22 @@ class Watcher:
             f"(models: {', '.join(report.model_ids)}; API key: {key_note})",
             flush=True,
         )
-        self.watch(report, key, publish, alive, stopping, stop_engine)
+        self._watch(report, key, publish, alive, stopping, stop_engine)
         return 0
 
-    def watch(self, report, key, publish, alive, stopping, stop_engine) -> None:
+    def _watch(
+        self,
+        report: ReadyReport,
+        key: str | None,
+        publish: Callable[[ReadyReport], None],
+        alive: Callable[[], bool],
+        stopping: Callable[[], bool],
+        stop_engine: Callable[[str], None],
+    ) -> None:
         """The watchdog after the gate: each change of its state rewrites the status."""
-        from entrypoint.watchdog import Watchdog, WatchdogConfig
+        from entrypoint.watchdog import Watchdog, WatchdogConfig, WatchdogState
 
-        def publish_state(state) -> None:
+        def publish_state(state: WatchdogState) -> None:
             report.watchdog = state.public()
             report.ready = state.healthy
             report.error = None if state.healthy else f"watchdog: {state.problem}"

@@ -244,6 +244,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
             return 0
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text}: give 0.1 to 3600 seconds")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "status",
@@ -253,7 +260,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--profile", help="profile of the server (default: the PROFILE setting)")
     parser.add_argument("--base-url", help="server URL (default: from HOST and PORT)")
-    parser.add_argument("--interval", type=float, default=2.0, help="seconds between the two reads of a rate")
+    parser.add_argument("--interval", type=_seconds, default=2.0, help="seconds between the two reads of a rate")
     parser.add_argument("--watch", action="store_true", help="refresh every --interval seconds until Ctrl-C")
     parser.add_argument("--json", action="store_true", help="the figures as JSON (one object per refresh)")
     parser.set_defaults(func=_cmd_status)
