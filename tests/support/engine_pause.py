@@ -52,6 +52,7 @@ class StreamingRequest(threading.Thread):
         super().__init__(daemon=True)
         self.server, self.model, self.max_tokens = server, model, max_tokens
         self.first_token = threading.Event()
+        self._cancel = threading.Event()
         self.tokens = 0  # completion tokens, from the closing usage event
         self.error: BaseException | None = None
 
@@ -67,6 +68,8 @@ class StreamingRequest(threading.Thread):
             ) as response:
                 response.raise_for_status()
                 for line in response.iter_lines():
+                    if self._cancel.is_set():
+                        return  # closing the stream aborts the request in vLLM
                     if not line.startswith("data:") or line.strip() == "data: [DONE]":
                         continue
                     event = json.loads(line[5:])
@@ -78,3 +81,8 @@ class StreamingRequest(threading.Thread):
             self.error = exc
         finally:
             self.first_token.set()
+
+    def cancel(self, timeout: float = 30) -> None:
+        """Stop reading (the server aborts the request) and wait for the thread."""
+        self._cancel.set()
+        self.join(timeout)
