@@ -26,6 +26,7 @@ COMMAND_MODULES = (
     "prepare.tiny",
     "prepare.adapter",
     "entrypoint.doctor",
+    "entrypoint.toolchain",
     "entrypoint.patches",
     "entrypoint.verify",
     "entrypoint.plan",
