@@ -160,6 +160,7 @@ def check_toolchain(
     torch_cuda: str | None,
     run: Runner = run_command,
     python_include: Path | None = None,
+    cc: str | None = None,
     cxx: str | None = None,
 ) -> list[ToolchainCheck]:
     """Every piece a FlashInfer JIT build of the sampling kernels takes from ``cuda_home``."""
@@ -189,16 +190,21 @@ def check_toolchain(
     checks.append(ToolchainCheck(
         "cudart", cudart.exists(), str(cudart) if cudart.exists() else f"{cudart} is missing",
         "a JIT build cannot link its kernels (-lcudart)"))
-    compiler = cxx or os.environ.get("CXX") or "c++"
-    found = run([compiler, "--version"])
-    checks.append(ToolchainCheck(
-        "host compiler", found is not None,
-        found.splitlines()[0] if found else f"{compiler} is missing or does not run",
-        "nvcc, FlashInfer and Triton cannot compile host code"))
+    # Triton builds its launcher with $CC or gcc (nvcc's host compiler too); FlashInfer compiles
+    # and links with $CXX or c++.
+    for name, compiler, consequence in (
+        ("c compiler", cc or os.environ.get("CC") or "gcc",
+         "Triton cannot build its launchers, so the engine's Triton kernels cannot run"),
+        ("c++ compiler", cxx or os.environ.get("CXX") or "c++", "FlashInfer cannot JIT-build its kernels"),
+    ):
+        found = run([compiler, "--version"])
+        checks.append(ToolchainCheck(
+            name, found is not None, found.splitlines()[0] if found else f"{compiler} is missing or does not run",
+            consequence))
     header = (python_include or Path(sysconfig.get_paths()["include"])) / "Python.h"
     checks.append(ToolchainCheck(
         "python headers", header.is_file(), str(header) if header.is_file() else f"{header} is missing",
-        "FlashInfer and Triton cannot build their Python-facing modules"))
+        "Triton cannot build its launchers (they include Python.h), nor FlashInfer its modules"))
     ninja = run(["ninja", "--version"])
     checks.append(ToolchainCheck(
         "ninja", ninja is not None, f"ninja {ninja.strip()}" if ninja else "ninja is missing from PATH",
@@ -300,7 +306,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the CUDA JIT toolchain from the pip wheels: lay it out as a toolkit, check it, prebuild kernels",
         description="Lay out the pip CUDA wheels (site-packages/nvidia/cu13) as a CUDA toolkit at "
         "CUDA_HOME; check that a FlashInfer JIT build finds nvcc, the headers, cudart, a host "
-        "compiler, Python's headers and ninja where it looks for them; or build FlashInfer's "
+        "compilers, Python's headers and ninja where it looks for them; or build FlashInfer's "
         "sampling kernels ahead of time (the images do all three when they are built).",
     )
     actions = parser.add_subparsers(dest="toolchain_action", metavar="ACTION", required=True)

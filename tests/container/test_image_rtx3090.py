@@ -62,7 +62,8 @@ WORK = Path(os.environ.get("QWEN38_IMAGE_TEST_RTX3090_DIR", "/tmp/qwen38-image-t
 SPEC = IMAGES["rtx3090"]
 TAG = "qwen38-stack:rtx3090-imagetest"
 USER = "10001"
-TOOLCHAIN_CHECKS = ("nvcc", "cuda headers", "curand", "cudart", "host compiler", "python headers", "ninja")
+TOOLCHAIN_CHECKS = ("nvcc", "cuda headers", "curand", "cudart", "c compiler", "c++ compiler", "python headers",
+                    "ninja")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from tests.support.cuda_wheels import DRIVER_DIR, NVCC_13_0, cuda_wheel_tree
 
 SMI_3090 = "0, NVIDIA GeForce RTX 3090, 580.95.05, 24576, 23900, 8.6\n"
 SMI_BUSY = "0, NVIDIA GeForce RTX 3090, 580.95.05, 24576, 2100, 8.6\n"
-TOOLCHAIN = ("nvcc", "cuda headers", "curand", "cudart", "host compiler", "python headers", "ninja")
+TOOLCHAIN = ("nvcc", "cuda headers", "curand", "cudart", "c compiler", "c++ compiler", "python headers", "ninja")
 
 
 def fake_nvidia_smi(gpus: str, apps: str = ""):
@@ -20,7 +20,7 @@ def fake_nvidia_smi(gpus: str, apps: str = ""):
     def run(argv: list[str]) -> str | None:
         if argv[0].endswith("/bin/nvcc"):
             return NVCC_13_0
-        if argv[0] in ("c++", "ninja"):
+        if argv[0] in ("gcc", "c++", "ninja"):
             return f"{argv[0]} 13.3.0\n"
         if argv[0] != "nvidia-smi":
             return None
@@ -69,16 +69,17 @@ def test_a_stray_process_and_missing_curand_are_named(tmp_path):
     assert "curand_kernel.h is missing" in by["curand"].detail and "`qwen38 toolchain check`" in by["curand"].detail
 
 
-def test_without_a_host_compiler_the_engine_cannot_start_and_that_is_a_blocker(tmp_path):
+def test_without_a_c_compiler_triton_cannot_run_and_that_is_a_blocker(tmp_path):
     smi = fake_nvidia_smi(SMI_3090)
 
-    def no_compiler(argv: list[str]) -> str | None:
-        return None if argv[0] == "c++" else smi(argv)
+    def no_compilers(argv: list[str]) -> str | None:
+        return None if argv[0] in ("gcc", "c++") else smi(argv)
 
     findings = diagnose(load_profile("single"), cuda_visible_devices="0", cache_dir=tmp_path, weights_bytes=0,
-                        run=no_compiler, cuda_home=toolkit(tmp_path), cuda_runtime="13.0")
+                        run=no_compilers, cuda_home=toolkit(tmp_path), cuda_runtime="13.0")
     by = {f.check: f for f in findings}
-    assert by["host compiler"].level == "blocker" and "Triton" in by["host compiler"].detail
+    assert by["c compiler"].level == "blocker" and "Triton" in by["c compiler"].detail
+    assert by["c++ compiler"].level == "warn" and "FlashInfer" in by["c++ compiler"].detail
     assert by["nvcc"].level == "ok"
 
 

@@ -102,25 +102,27 @@ def test_a_complete_toolkit_passes_every_check(tmp_path):
     (include / "Python.h").write_text("")
 
     def run(argv: list[str]) -> str | None:
-        return {str(home / "bin" / "nvcc"): NVCC_13_0, "c++": "c++ (Ubuntu 13.3.0) 13.3.0\n",
-                "ninja": "1.13.2\n"}.get(argv[0])
+        return {str(home / "bin" / "nvcc"): NVCC_13_0, "gcc": "gcc (Ubuntu 13.3.0) 13.3.0\n",
+                "c++": "c++ (Ubuntu 13.3.0) 13.3.0\n", "ninja": "1.13.2\n"}.get(argv[0])
 
-    checks = check_toolchain(home, torch_cuda="13.0", run=run, python_include=include, cxx="c++")
+    checks = check_toolchain(home, torch_cuda="13.0", run=run, python_include=include, cc="gcc", cxx="c++")
     assert [(c.name, c.ok) for c in checks] == [
-        ("nvcc", True), ("cuda headers", True), ("curand", True), ("cudart", True), ("host compiler", True),
-        ("python headers", True), ("ninja", True)]
+        ("nvcc", True), ("cuda headers", True), ("curand", True), ("cudart", True), ("c compiler", True),
+        ("c++ compiler", True), ("python headers", True), ("ninja", True)]
     assert checks[0].detail == f"{home}/bin/nvcc (CUDA 13.0)"
-    assert checks[4].detail == "c++ (Ubuntu 13.3.0) 13.3.0"
+    assert checks[5].detail == "c++ (Ubuntu 13.3.0) 13.3.0"
 
 
 def test_each_missing_piece_is_named_with_what_a_jit_build_loses(tmp_path):
     checks = {c.name: c for c in check_toolchain(tmp_path, torch_cuda="13.0", run=lambda argv: None,
-                                                   python_include=tmp_path, cxx="g++-none")}
+                                                   python_include=tmp_path, cc="gcc-none", cxx="g++-none")}
     assert not any(c.ok for c in checks.values())
     assert checks["nvcc"].detail == f"{tmp_path}/bin/nvcc is missing or does not run"
     assert "~5 % slower" in checks["curand"].consequence
     assert checks["cudart"].detail == f"{tmp_path}/lib64/libcudart.so is missing"
-    assert checks["host compiler"].detail == "g++-none is missing or does not run"
+    assert checks["c compiler"].detail == "gcc-none is missing or does not run"
+    assert "Triton" in checks["c compiler"].consequence
+    assert checks["c++ compiler"].detail == "g++-none is missing or does not run"
     assert checks["python headers"].detail == f"{tmp_path}/Python.h is missing"
 
 
