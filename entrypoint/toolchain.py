@@ -19,8 +19,8 @@ real driver). `link_toolkit` writes it (``qwen38 toolchain link``, at image buil
 `prebuild_sampling_kernels` (``qwen38 toolchain prebuild``, at image build time) runs that JIT
 build once for the image's ``FLASHINFER_CUDA_ARCH_LIST`` and puts the module in FlashInfer's
 AOT directory, which FlashInfer loads before it would build anything: vLLM's sampler needs it
-at every start, and building it is minutes of nvcc (6.5 min on the 2-core build VM), so a first
-start no longer pays for it.
+at every start, and building it is minutes of nvcc (5-10 min on the 2-core development VM,
+docs/images.md), so a first start no longer pays for it.
 
 `check_toolchain` looks where FlashInfer looks (`jit_cuda_home`: ``CUDA_HOME``, ``CUDA_PATH``,
 else the directory above ``nvcc`` on PATH, else ``/usr/local/cuda``) and proves each piece;
@@ -305,7 +305,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "toolchain",
         help="the CUDA JIT toolchain from the pip wheels: lay it out as a toolkit, check it, prebuild kernels",
         description="Lay out the pip CUDA wheels (site-packages/nvidia/cu13) as a CUDA toolkit at "
-        "CUDA_HOME; check that a FlashInfer JIT build finds nvcc, the headers, cudart, a host "
+        "CUDA_HOME; check that a FlashInfer JIT build finds nvcc, the headers, cudart, C and C++ "
         "compilers, Python's headers and ninja where it looks for them; or build FlashInfer's "
         "sampling kernels ahead of time (the images do all three when they are built).",
     )

@@ -169,15 +169,18 @@ print(json.dumps({"seconds": seconds, "cuda_home": cpp_ext.get_cuda_path(), "lib
 
 
 @pytest.fixture(scope="module")
-def driver_placeholder(tmp_path_factory) -> Path:
-    """An empty libcuda.so.1: the link step resolves ``-lcuda`` against the driver the NVIDIA
-    container toolkit mounts at run time; without a GPU this file stands where it would be."""
+def driver_placeholder(daemon, image, tmp_path_factory) -> Path:
+    """An empty libcuda.so.1, made by the image's own compiler: the link step resolves ``-lcuda``
+    against the driver the NVIDIA container toolkit mounts at run time; without a GPU this file
+    stands where it would be (the sampling module calls no driver function)."""
     directory = tmp_path_factory.mktemp("driver")
-    library = directory / "libcuda.so.1"
-    subprocess.run(
-        ["cc", "-shared", "-Wl,-soname,libcuda.so.1", "-o", str(library), "-x", "c", "/dev/null"],
-        check=True, capture_output=True,
+    made = daemon.docker(
+        "run", "--rm", "--network=none", "--user", "0", "-v", f"{directory}:/out", "--entrypoint", "cc", TAG,
+        "-shared", "-Wl,-soname,libcuda.so.1", "-o", "/out/libcuda.so.1", "-x", "c", "/dev/null",
+        timeout=300, check=False,
     )
+    assert made.returncode == 0, made.stderr
+    library = directory / "libcuda.so.1"
     library.chmod(0o755)
     return library
 
