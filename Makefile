@@ -63,8 +63,8 @@ image-test-clean:
 
 # Opt-in: build the RTX 3090 image from scratch on a stand-in for its nvidia/cuda base and check
 # it inside, without a GPU, as its user: torch/vLLM import, patches, doctor, nvcc, a FlashInfer
-# JIT build, `pip freeze` == the lock (root; docker.io and mmdebstrap; ~4.3 GB of wheels; NN min
-# cold on the shared VM). docs/images.md.
+# JIT build, `pip freeze` == the lock (root; docker.io and mmdebstrap; ~4.3 GB of wheels, ~40 GB
+# of disk; 35 min cold, 30 warm on the busy shared VM). docs/images.md.
 .PHONY: image-test-rtx3090 image-test-rtx3090-clean
 IMAGE_TEST_RTX3090_DIR ?= /tmp/qwen38-image-test-rtx3090
 image-test-rtx3090: setup
