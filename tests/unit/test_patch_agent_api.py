@@ -5,6 +5,8 @@ the official SDKs: tests/integration/test_agent_clients.py."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
@@ -114,10 +116,10 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def probes(vllm_views) -> dict[str, dict]:
-    return {
-        view: last_json_line(run_python(PROBE, vllm_views[view], vllm_views["pycache"], timeout=600))
-        for view in ("patched", "stock")
-    }
+    views = ("patched", "stock")
+    with ThreadPoolExecutor(len(views)) as pool:  # two child processes at once: half the wall time
+        done = pool.map(lambda view: run_python(PROBE, vllm_views[view], vllm_views["pycache"], timeout=600), views)
+        return {view: last_json_line(result) for view, result in zip(views, done)}
 
 
 def test_patched_chat_takes_an_empty_tools_array_as_no_tools(probes):
