@@ -99,7 +99,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("validate", help="validate a running deployment (APIs, SDK clients, cache isolation)")
+    parser = subparsers.add_parser(
+        "validate", help="validate a running deployment (APIs, SDK clients, cache isolation)"
+    )
     validators = parser.add_subparsers(dest="validator", metavar="VALIDATOR", required=True)
 
     apis = validators.add_parser("apis", help="chat, completions, responses, messages, tools, errors")

@@ -138,7 +138,8 @@ def _tool_result_chat(oai: Any, model: str) -> str:
     done = oai.chat.completions.create(model=model, messages=messages, tools=[OPENAI_TOOL], tool_choice="none",
                                        max_tokens=MAX_TOKENS, temperature=0)
     grew = done.usage.prompt_tokens - first.usage.prompt_tokens
-    assert grew > 0, f"the tool result did not reach the prompt ({first.usage.prompt_tokens} -> {done.usage.prompt_tokens})"
+    assert grew > 0, f"the tool result did not reach the prompt ({first.usage.prompt_tokens} -> " \
+                     f"{done.usage.prompt_tokens} tokens)"
     assert done.choices[0].message.content, "no answer after the tool result"
     return f"prompt +{grew} tokens, answered {done.usage.completion_tokens} tokens"
 
@@ -168,7 +169,8 @@ def _tool_result_responses(oai: Any, model: str) -> str:
     done = oai.responses.create(model=model, input=items, tools=[RESPONSES_TOOL], tool_choice="none",
                                 max_output_tokens=MAX_TOKENS, temperature=0)
     grew = done.usage.input_tokens - first.usage.input_tokens
-    assert grew > 0, f"the tool output did not reach the prompt ({first.usage.input_tokens} -> {done.usage.input_tokens})"
+    assert grew > 0, f"the tool output did not reach the prompt ({first.usage.input_tokens} -> " \
+                     f"{done.usage.input_tokens} tokens)"
     assert done.output_text, f"no answer after the tool output: {[item.type for item in done.output]}"
     return f"prompt +{grew} tokens, status {done.status}"
 
@@ -269,7 +271,8 @@ def _tool_result_messages(ant: Any, model: str) -> str:
     done = ant.messages.create(model=model, messages=messages, tools=[ANTHROPIC_TOOL], tool_choice={"type": "none"},
                                max_tokens=MAX_TOKENS)
     grew = done.usage.input_tokens - first.usage.input_tokens
-    assert grew > 0, f"the tool result did not reach the prompt ({first.usage.input_tokens} -> {done.usage.input_tokens})"
+    assert grew > 0, f"the tool result did not reach the prompt ({first.usage.input_tokens} -> " \
+                     f"{done.usage.input_tokens} tokens)"
     assert _text(done), f"no answer after the tool result: {[b.type for b in done.content]}"
     return f"prompt +{grew} tokens, stop {done.stop_reason}"
 
