@@ -1,6 +1,7 @@
 # qwen38-stack: the two commands of the README, and their parts.
 #   make demo   set up .venv, generate the tiny models, serve the `cpu` profile (foreground)
 #   make test   set up .venv, run the test suite (unit, container checks, real vLLM CPU server)
+#   make agent-clients   install the real agent clients the opt-in tests drive (docs/clients.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -13,7 +14,7 @@ MODELS_DIR ?= models
 KEY_FILE ?= secrets/api_key
 PYTEST_ARGS ?=
 
-.PHONY: setup demo models test unit container-checks image-test image-test-clean lock-deps gpu-test docs clean
+.PHONY: setup demo models agent-clients test unit container-checks image-test image-test-clean lock-deps gpu-test docs clean
 
 setup: $(STAMP) $(PATCHED)
 
@@ -40,6 +41,19 @@ models: setup
 demo: setup models
 	$(BIN)/qwen38 key init --file $(KEY_FILE)
 	API_KEY_FILE=$(KEY_FILE) MODELS_DIR=$(MODELS_DIR) $(BIN)/qwen38 serve --profile cpu
+
+# Real agent clients for tests/integration/test_agent_clients.py, outside the development lock
+# (their own node_modules and venv under a git-ignored folder; the tests skip without them).
+AGENT_CLIENTS_DIR ?= .cache/agent-clients
+CLAUDE_CODE_VERSION ?= 2.1.332
+CODEX_VERSION ?= 0.169.0
+OPENAI_AGENTS_VERSION ?= 0.24.0
+agent-clients:
+	mkdir -p $(AGENT_CLIENTS_DIR)
+	npm install --save-exact --no-audit --no-fund --prefix $(AGENT_CLIENTS_DIR) @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) \
+		@openai/codex@$(CODEX_VERSION)
+	test -x $(AGENT_CLIENTS_DIR)/venv/bin/python || $(PYTHON) -m venv $(AGENT_CLIENTS_DIR)/venv
+	$(AGENT_CLIENTS_DIR)/venv/bin/python -m pip install -q openai-agents==$(OPENAI_AGENTS_VERSION)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
