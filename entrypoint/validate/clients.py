@@ -13,7 +13,8 @@ agent harnesses do, through the SDKs, with nothing but what those clients send:
 
 No request carries ``chat_template_kwargs``: a check passes only if the server's defaults and
 its mapping of the clients' own switches make it pass. The Anthropic client sends the key as
-``Authorization: Bearer`` (its ``auth_token``), the form vLLM checks.
+Anthropic clients do by default, in ``x-api-key`` (its ``api_key``; the server's key guard,
+entrypoint/auth.py, accepts it beside ``Authorization: Bearer``, which `validate apis` uses).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def sdk_clients(base_url: str, api_key: str | None) -> tuple[Any, Any]:
     root = base_url.rstrip("/")
     # The OpenAI SDK insists on a key; an open server ignores the placeholder.
     oai = openai.OpenAI(base_url=f"{root}/v1", api_key=api_key or "no-key", max_retries=0, timeout=300)
-    ant = anthropic.Anthropic(base_url=root, api_key=None, auth_token=api_key, max_retries=0, timeout=300)
+    ant = anthropic.Anthropic(base_url=root, api_key=api_key or "no-key", max_retries=0, timeout=300)
     return oai, ant
 
 

@@ -104,7 +104,7 @@ def test_claude_code_completes_a_turn_without_a_protocol_error(cpu_server, tmp_p
     home.mkdir()
     env = {
         "PATH": os.environ["PATH"], "HOME": str(home),  # a fresh HOME: no login, no settings of the user's
-        "ANTHROPIC_BASE_URL": cpu_server.base_url, "ANTHROPIC_AUTH_TOKEN": cpu_server.api_key,
+        "ANTHROPIC_BASE_URL": cpu_server.base_url, "ANTHROPIC_API_KEY": cpu_server.api_key,
         "ANTHROPIC_MODEL": BASE, "ANTHROPIC_DEFAULT_HAIKU_MODEL": BASE, "ANTHROPIC_SMALL_FAST_MODEL": BASE,
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
         # The tiny model never ends a turn by itself (no end-of-turn successor): keep turns short.
