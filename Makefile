@@ -1,6 +1,7 @@
 # qwen38-stack: the two commands of the README, and their parts.
 #   make demo   set up .venv, generate the tiny models, serve the `cpu` profile (foreground)
 #   make test   set up .venv, run the test suite (unit, container checks, real vLLM CPU server)
+#   make agent-clients   install the real agent clients the opt-in tests drive (docs/clients.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -13,7 +14,7 @@ MODELS_DIR ?= models
 KEY_FILE ?= secrets/api_key
 PYTEST_ARGS ?=
 
-.PHONY: setup demo models test unit container-checks image-test image-test-clean lock-deps gpu-test docs clean prometheus
+.PHONY: setup demo models agent-clients test unit container-checks image-test image-test-clean lock-deps gpu-test docs clean prometheus
 
 setup: $(STAMP) $(PATCHED)
 
@@ -40,6 +41,19 @@ models: setup
 demo: setup models
 	$(BIN)/qwen38 key init --file $(KEY_FILE)
 	API_KEY_FILE=$(KEY_FILE) MODELS_DIR=$(MODELS_DIR) $(BIN)/qwen38 serve --profile cpu
+
+# Real agent clients for tests/integration/test_agent_clients.py, outside the development lock
+# (their own node_modules and venv under a git-ignored folder; the tests skip without them).
+AGENT_CLIENTS_DIR ?= .cache/agent-clients
+CLAUDE_CODE_VERSION ?= 2.1.332
+CODEX_VERSION ?= 0.169.0
+OPENAI_AGENTS_VERSION ?= 0.24.0
+agent-clients:
+	mkdir -p $(AGENT_CLIENTS_DIR)
+	npm install --save-exact --no-audit --no-fund --prefix $(AGENT_CLIENTS_DIR) @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) \
+		@openai/codex@$(CODEX_VERSION)
+	test -x $(AGENT_CLIENTS_DIR)/venv/bin/python || $(PYTHON) -m venv $(AGENT_CLIENTS_DIR)/venv
+	$(AGENT_CLIENTS_DIR)/venv/bin/python -m pip install -q openai-agents==$(OPENAI_AGENTS_VERSION)
 
 test: setup prometheus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -77,6 +91,20 @@ image-test: setup
 image-test-clean:
 	test ! -e $(IMAGE_TEST_DIR)/docker/docker.pid || { echo "a test daemon is still running"; exit 1; }
 	rm -rf $(IMAGE_TEST_DIR)
+
+# Opt-in: build the RTX 3090 image from scratch on a stand-in for its nvidia/cuda base and check
+# it inside, without a GPU, as its user: torch/vLLM import, patches, doctor, nvcc, a FlashInfer
+# JIT build, `pip freeze` == the lock (root; docker.io and mmdebstrap; ~4.3 GB of wheels, ~40 GB
+# of disk; 35 min cold, 30 warm on the busy shared VM). docs/images.md.
+.PHONY: image-test-rtx3090 image-test-rtx3090-clean
+IMAGE_TEST_RTX3090_DIR ?= /tmp/qwen38-image-test-rtx3090
+image-test-rtx3090: setup
+	QWEN38_IMAGE_TEST_RTX3090=1 QWEN38_IMAGE_TEST_RTX3090_DIR=$(IMAGE_TEST_RTX3090_DIR) \
+		$(BIN)/python -m pytest tests/container/test_image_rtx3090.py -m image -p no:cacheprovider $(PYTEST_ARGS)
+
+image-test-rtx3090-clean:
+	test ! -e $(IMAGE_TEST_RTX3090_DIR)/docker/docker.pid || { echo "a test daemon is still running"; exit 1; }
+	rm -rf $(IMAGE_TEST_RTX3090_DIR)
 
 # Regenerate docker/lock/ (uv, from the development lock, resolves each image platform and the
 # development environment itself; see docs/images.md). Review the diff like code.

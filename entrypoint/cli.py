@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "prepare.generate",
     "prepare.adapter",
     "entrypoint.doctor",
+    "entrypoint.toolchain",
     "entrypoint.patches",
     "entrypoint.verify",
     "entrypoint.plan",

@@ -86,9 +86,25 @@ def test_the_cuda_locks_pin_the_engine_the_images_are_built_for():
         assert locked["flashinfer-python"].version == "0.6.16.post3"
         assert locked["flashinfer-cubin"].version == "0.6.13"
         # The JIT toolchain stays on torch's CUDA 13.0 line (docker/lock/cuda.in says why).
-        for tool in ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-runtime"):
+        for tool in ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-runtime", "nvidia-cuda-cccl"):
             assert locked[tool].version.startswith("13.0."), (name, tool, locked[tool].version)
         assert "nvidia-curand" in locked
+        # pip too: every Python package in the image is the lock's.
+        assert "pip" in locked and "setuptools" in locked
+
+
+def test_the_spark_lock_pins_what_the_rtx3090_image_is_proven_with():
+    # The RTX 3090 image is built and checked here (make image-test-rtx3090); the Spark image runs
+    # the same Dockerfile steps, so the same packages at the same versions, each with an aarch64
+    # (or pure-Python) wheel, are what makes that proof hold on arm64.
+    x86 = parse_lock(TARGETS["cuda-x86_64"].lock_path.read_text())
+    arm = parse_lock(TARGETS["cuda-aarch64"].lock_path.read_text())
+    assert {n: r.version for n, r in arm.items()} == {n: r.version for n, r in x86.items()}
+    _lock_text, listing = load_target_files(TARGETS["cuda-aarch64"])
+    for name, entry in listing.requirements.items():
+        assert entry["wheels"], name
+        for wheel in entry["wheels"]:
+            assert "aarch64" in wheel["filename"] or wheel["filename"].endswith("-any.whl"), wheel["filename"]
 
 
 def test_the_cpu_lock_has_cpu_torch_and_none_of_the_cuda_builds():
