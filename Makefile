@@ -14,7 +14,7 @@ MODELS_DIR ?= models
 KEY_FILE ?= secrets/api_key
 PYTEST_ARGS ?=
 
-.PHONY: setup demo models agent-clients test unit container-checks image-test image-test-clean lock-deps gpu-test docs clean
+.PHONY: setup demo models agent-clients test unit container-checks image-test image-test-clean lock-deps gpu-test docs clean prometheus
 
 setup: $(STAMP) $(PATCHED)
 
@@ -55,8 +55,22 @@ agent-clients:
 	test -x $(AGENT_CLIENTS_DIR)/venv/bin/python || $(PYTHON) -m venv $(AGENT_CLIENTS_DIR)/venv
 	$(AGENT_CLIENTS_DIR)/venv/bin/python -m pip install -q openai-agents==$(OPENAI_AGENTS_VERSION)
 
-test: setup
+test: setup prometheus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Debian's Prometheus (prometheus + promtool) for the monitoring tests, unpacked into .venv
+# (no service installed or started, no root needed where apt's lists are current); the tests
+# skip, saying so, where it cannot be had. docs/monitoring.md.
+PROMETHEUS_DIR := $(VENV)/prometheus
+prometheus: $(PROMETHEUS_DIR)/usr/bin/promtool
+
+$(PROMETHEUS_DIR)/usr/bin/promtool:
+	mkdir -p $(PROMETHEUS_DIR)/deb
+	cd $(PROMETHEUS_DIR)/deb && { apt-get download prometheus >/dev/null 2>&1 \
+		|| { [ "$$(id -u)" = 0 ] && apt-get update -q >/dev/null && apt-get download prometheus >/dev/null 2>&1; } \
+		|| echo "make prometheus: cannot download Debian's prometheus package; the monitoring tests will skip"; }
+	if ls $(PROMETHEUS_DIR)/deb/prometheus_*.deb >/dev/null 2>&1; then \
+		dpkg-deb -x $$(ls $(PROMETHEUS_DIR)/deb/prometheus_*.deb | head -1) $(PROMETHEUS_DIR) && rm -rf $(PROMETHEUS_DIR)/deb; fi
 
 unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

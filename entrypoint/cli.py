@@ -33,6 +33,8 @@ COMMAND_MODULES = (
     "entrypoint.plan",
     "entrypoint.launch",
     "entrypoint.ready",
+    "entrypoint.status",
+    "entrypoint.dashboard",
     "entrypoint.validate",
     "entrypoint.generated_docs",
     "entrypoint.images",

@@ -114,6 +114,12 @@ class ValidationFailed(StackError):
     exit_code = 1
 
 
+class MonitoringError(StackError):
+    """A monitoring endpoint (Prometheus, a server's /metrics) that cannot be read."""
+
+    code = "monitoring"
+
+
 class BenchError(StackError):
     """A benchmark could not run or its numbers are inconsistent."""
 

@@ -189,6 +189,8 @@ def _engine_config(profile: Profile, settings: Settings, resolved: Resolved) -> 
         # Per-request cached-token counts: the cache-isolation validator reads them.
         "enable-prompt-tokens-details": True,
         "uvicorn-log-level": settings.log_level,
+        # The watchdog and Prometheus read /metrics every few seconds: not a log line each.
+        "disable-access-log-for-endpoints": "/metrics",
         # The key guard around every route (vLLM's own covers /v1 & co. only), the instance
         # header, and the end of open streams at shutdown (entrypoint.asgi).
         "middleware": [MIDDLEWARE_PATH],

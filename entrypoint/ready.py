@@ -10,8 +10,10 @@
 
 `qwen38 serve` runs it in a thread of its supervisor (`entrypoint.supervise`), records the
 outcome in a status file (read by `qwen38 ready --quick`, the container healthcheck, which
-checks the instance id again) and stops the engine when the gate fails: fail closed.
-`qwen38 ready` runs it against any deployment.
+checks the instance id again) and stops the engine when the gate fails: fail closed. Once
+it passed, the same thread runs the watchdog (`entrypoint.watchdog`), which keeps the
+status current: a stalled engine or a failed canary turns it to ``ready: false``.
+`qwen38 ready` runs the gate against any deployment.
 """
 
 from __future__ import annotations
@@ -28,15 +30,12 @@ from typing import Callable
 import httpx
 from pydantic import SecretStr
 
+from entrypoint.canary import ask_canary
 from entrypoint.client import StackClient
 from entrypoint.errors import ReadinessError
 from entrypoint.lifecycle import is_running, process_start_time
 from entrypoint.profiles import Profile
 from entrypoint.settings import Settings
-
-CANARY_PROMPT = "Write one sentence about caches."
-CANARY_TOKENS = 12
-
 
 @dataclass
 class ReadyReport:
@@ -51,22 +50,8 @@ class ReadyReport:
     checks: list[str] = field(default_factory=list)
     instance: str | None = None  # the start's instance id (x-qwen38-instance)
     pid: int | None = None  # the supervisor that wrote it
-
-
-def _greedy(client: StackClient, model: str) -> str:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": CANARY_PROMPT}],
-        "max_tokens": CANARY_TOKENS,
-        "temperature": 0,
-        "chat_template_kwargs": {"enable_thinking": False},
-    }
-    data = client.post_json("/v1/chat/completions", body)
-    choice = data["choices"][0]
-    text = choice["message"].get("content") or ""
-    if data.get("usage", {}).get("completion_tokens", 0) < 1:
-        raise ReadinessError(f"canary on {model}: no tokens generated")
-    return text
+    ready_at: float | None = None  # epoch seconds when the gate passed
+    watchdog: dict | None = None  # `entrypoint.watchdog.WatchdogState` once the gate passed
 
 
 def wait_for_health(client: StackClient, timeout: float, alive: Callable[[], bool] = lambda: True) -> float:
@@ -121,10 +106,10 @@ def run_gate(
             )
         report.checks.append("key: a request without it gets 401")
     try:
-        report.canary = _greedy(client, base_id)
+        report.canary = ask_canary(client, base_id).text
         report.checks.append(f"canary: {base_id} answered")
         if adapter_id:
-            report.adapter_canary = _greedy(client, adapter_id)
+            report.adapter_canary = ask_canary(client, adapter_id).text
             if report.adapter_canary == report.canary:
                 raise ReadinessError(
                     f"adapter {adapter_id} answered exactly like the base {base_id} at temperature 0: "
@@ -195,16 +180,28 @@ class Watcher:
     def run(
         self,
         engine_pid: int,
-        stop: Callable[[], None] | None = None,
+        stop: Callable[..., None] | None = None,
         publish: Callable[[ReadyReport], None] | None = None,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> int:
-        """Gate the engine ``engine_pid``; on failure ``stop()`` it (default: SIGTERM to it)."""
+        """Gate the engine ``engine_pid``; on failure ``stop()`` it (default: SIGTERM to it).
+
+        Once the gate passed, watch it (`entrypoint.watchdog`) until it exits or ``stopping()``;
+        a watchdog that acts calls ``stop(reason)``."""
         started = process_start_time(engine_pid)
         publish = publish or (lambda report: write_status(self.settings, self.profile.name, report))
 
         def alive() -> bool:
             # A pid alone may be reused once the engine exits; pid and start time are not.
             return is_running(engine_pid, started)
+
+        def stop_engine(reason: str | None = None) -> None:
+            if stop is None:
+                os.kill(engine_pid, signal.SIGTERM)
+            elif reason is None:
+                stop()
+            else:
+                stop(reason)
 
         key = self.api_key.get_secret_value() if self.api_key else None
         with StackClient(self.base_url, key) as client:
@@ -219,12 +216,10 @@ class Watcher:
                 publish(report)
                 if alive():
                     print(f"qwen38: ready: {exc}; stopping the engine (fail closed)", file=sys.stderr, flush=True)
-                    if stop is not None:
-                        stop()
-                    else:
-                        os.kill(engine_pid, signal.SIGTERM)
+                    stop_engine()
                 return 1
         report.identity = self.identity
+        report.ready_at = time.time()
         publish(report)
         key_note = self.settings.api_key_source() or "no API key (loopback only)"
         print(
@@ -232,7 +227,30 @@ class Watcher:
             f"(models: {', '.join(report.model_ids)}; API key: {key_note})",
             flush=True,
         )
+        self._watch(report, key, publish, alive, stopping, stop_engine)
         return 0
+
+    def _watch(
+        self,
+        report: ReadyReport,
+        key: str | None,
+        publish: Callable[[ReadyReport], None],
+        alive: Callable[[], bool],
+        stopping: Callable[[], bool],
+        stop_engine: Callable[[str], None],
+    ) -> None:
+        """The watchdog after the gate: each change of its state rewrites the status."""
+        from entrypoint.watchdog import Watchdog, WatchdogConfig, WatchdogState
+
+        def publish_state(state: WatchdogState) -> None:
+            report.watchdog = state.public()
+            report.ready = state.healthy
+            report.error = None if state.healthy else f"watchdog: {state.problem}"
+            publish(report)
+
+        config = WatchdogConfig.from_settings(self.settings)
+        dog = Watchdog(config, self.base_url, key, self.profile.served.base, report.canary, publish_state)
+        dog.run(alive, stopping, stop_engine)
 
 
 # ---- command ---------------------------------------------------------------------------
@@ -252,6 +270,8 @@ def _cmd_ready(args: argparse.Namespace) -> int:
         except (FileNotFoundError, json.JSONDecodeError):
             raise ReadinessError(f"{path}: no readiness status yet (the gate has not finished)") from None
         if not status.get("ready"):
+            if status.get("watchdog"):  # the gate passed; the watchdog found a problem since
+                raise ReadinessError(f"unhealthy: {status.get('error')}")
             raise ReadinessError(f"readiness gate failed: {status.get('error')}")
         with StackClient(base_url, secret) as client:
             if not client.health():

@@ -151,6 +151,41 @@ class Settings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = _knob("info", "runtime", "Log level of vLLM and ours.")
 
+    watchdog_stall_timeout: float = _knob(
+        120.0,
+        "runtime",
+        "Watchdog: seconds with requests running and no engine progress (no token generated or prefilled, "
+        "no KV-cache change) before the server is declared stalled (0: off).",
+        ge=0,
+        le=3600,
+    )
+    watchdog_canary_interval: float = _knob(
+        60.0,
+        "runtime",
+        "Watchdog: seconds between canary requests (a 12-token greedy answer), sent only after a quiet poll "
+        "interval, never beside users' requests (0: off).",
+        ge=0,
+        le=86400,
+    )
+    watchdog_canary_timeout: float = _knob(
+        60.0, "runtime", "Watchdog: seconds a canary may take before it counts as failed.", ge=1, le=3600
+    )
+    watchdog_acceptance_floor: float = _knob(
+        1.5,
+        "runtime",
+        "Watchdog (speculative profiles): warn when the acceptance length (1 + accepted / drafts) over the "
+        "last 200 drafts falls below this (0: off). A warning only: the output stays exact, only slower.",
+        ge=0,
+        le=17,
+    )
+    watchdog_action: Literal["stop", "mark"] = _knob(
+        "stop",
+        "runtime",
+        "Watchdog: what a stall or a failed canary does. `stop`: mark the server unhealthy, stop the engine and "
+        "exit non-zero, so compose's `restart: unless-stopped` starts it again (Docker restarts on exit, not on "
+        "an unhealthy check); `mark`: only mark it unhealthy (`qwen38 ready --quick` fails) until it recovers.",
+    )
+
     image_rtx3090: str | None = _knob(
         None,
         "compose",
@@ -186,6 +221,14 @@ class Settings(BaseSettings):
         "route but /health and /ping).",
     )
     publish_port: int = _knob(18020, "compose", "Host port the API is published on.", ge=1, le=65535)
+    monitoring_address: str = _knob(
+        "127.0.0.1",
+        "compose",
+        "Host address Prometheus and Grafana (`--profile monitoring`) are published on. Neither asks for a "
+        "login to read the metrics: publish them beyond loopback only on a network you trust.",
+    )
+    prometheus_port: int = _knob(9090, "compose", "Host port of Prometheus (`--profile monitoring`).", ge=1, le=65535)
+    grafana_port: int = _knob(3000, "compose", "Host port of Grafana (`--profile monitoring`).", ge=1, le=65535)
 
     @field_validator("host")
     @classmethod
@@ -199,7 +242,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"not an IP address or host name: {value!r}") from None
         return value
 
-    @field_validator("publish_address")
+    @field_validator("publish_address", "monitoring_address")
     @classmethod
     def _valid_publish_address(cls, value: str) -> str:
         try:

@@ -5,15 +5,17 @@ what a killed earlier start provably left (`entrypoint.lifecycle`), removes the 
 readiness status and refuses an address another process listens on.
 
 `supervise` then forks the engine (`entrypoint.engine_main`) into its own process group,
-with a fresh instance id and a parent-death signal, runs the readiness gate in a thread,
-and waits. It stays the process that gets the signals (PID 2 under tini in the images):
+with a fresh instance id and a parent-death signal, runs the readiness gate and then the
+watchdog (`entrypoint.watchdog`) in a thread, and waits. It stays the process that gets the signals (PID 2 under tini in the images):
 
 - SIGTERM / SIGINT / SIGHUP: vLLM's API server gets SIGUSR1 (our middleware admits no new
   request and ends what is still open after the drain: the profile's ``shutdown_timeout`` or
   SHUTDOWN_TIMEOUT, `entrypoint.drain`), then SIGTERM (vLLM stops its engine). If the engine
   has not exited ``STOP_MARGIN_S`` after the drain, its whole process group is killed. A
   second signal kills it at once.
-- the engine exiting by itself (a crash, the gate failing closed, kill -9): its process group
+- the gate failing, or the watchdog finding a stall or a failed canary (WATCHDOG_ACTION=stop):
+  the same stop, with that reason, and the exit code is 1.
+- the engine exiting by itself (a crash, kill -9): its process group
   is swept (SIGKILL after ``GROUP_GRACE_S``), the status says why, and the exit code is
   non-zero.
 - this process killed (kill -9): the API server has a parent-death signal, and a reaper
@@ -114,6 +116,7 @@ class Supervisor:
         self.stop_reason: str | None = None
         self.stop_started = 0.0
         self.gate_failed = False
+        self.failure: str | None = None  # why the gate or the watchdog stopped the engine
         self._final = False
         self._status_lock = threading.Lock()
 
@@ -159,7 +162,7 @@ class Supervisor:
 
     def _on_signal(self, signum: int, _frame) -> None:
         if self.gate_failed and self.stop_reason is None:
-            self.request_stop("the readiness gate failed")
+            self.request_stop(self.failure or "the readiness gate failed")
         else:
             self.request_stop(signal.Signals(signum).name)
 
@@ -187,14 +190,15 @@ class Supervisor:
     def _run_gate(self) -> None:
         assert self.gate is not None
 
-        def fail_closed() -> None:
-            self.gate_failed = True
+        def fail_closed(reason: str = "the readiness gate failed") -> None:
+            self.gate_failed, self.failure = True, reason
             os.kill(os.getpid(), signal.SIGTERM)  # handled on the main thread, like any stop
 
         try:
-            self.gate(self.pid, stop=fail_closed, publish=self.publish)
+            # The gate, then the watchdog, which ends when a stop begins (`stopping`).
+            self.gate(self.pid, stop=fail_closed, publish=self.publish, stopping=lambda: self.stop_reason is not None)
         except Exception as exc:  # a bug in the gate must not leave the engine ungated
-            say(f"ready: the gate crashed ({type(exc).__name__}: {exc}); stopping the engine (fail closed)")
+            say(f"ready: the gate or its watchdog crashed ({type(exc).__name__}: {exc}); stopping the engine (fail closed)")
             fail_closed()
 
     # ---- the run ---------------------------------------------------------------------

@@ -113,12 +113,15 @@ def launch_server(
     """`qwen38 serve --profile P` in its own process group; returns at once (see `wait_ready`).
 
     ``cache_dir`` (default ``tmp/cache``) may be shared by servers that run one after another:
-    a restart then reuses the plan and the compile caches."""
+    a restart then reuses the plan and the compile caches.
+
+    The watchdog's canary is off unless a test asks for it: its tokens would land in the
+    counter deltas the tests read around their own requests."""
     port = free_port()
     cache_dir = cache_dir or tmp / "cache"
     env = clean_env(
         MODELS_DIR=str(models), API_KEY_FILE=str(key_file), PORT=str(port), CACHE_DIR=str(cache_dir),
-        **{"READY_TIMEOUT": "600", **settings},
+        **{"READY_TIMEOUT": "600", "WATCHDOG_CANARY_INTERVAL": "0", **settings},
     )
     log = tmp / "serve.log"
     with open(log, "w") as handle:

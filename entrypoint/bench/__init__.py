@@ -20,6 +20,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "entrypoint.bench.adapter",
     "entrypoint.bench.fullscale",
     "entrypoint.bench.roofline",
+    "entrypoint.bench.watchdog",
 )
 
 
