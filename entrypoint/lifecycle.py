@@ -92,20 +92,42 @@ def group_members(pgid: int) -> list[int]:
     return found
 
 
-def processes_of_instance(instance: str) -> list[int]:
-    """Live processes whose environment carries ``QWEN38_INSTANCE=<instance>``."""
+def processes_of_instance(instance: str, record: RunRecord | None = None) -> list[int]:
+    """Live processes of one start: those whose environment carries ``QWEN38_INSTANCE=<instance>``
+    and, given that start's run record, the members of its engine's process group.
+
+    The environment alone does not find them all: vLLM names its engine core and workers with
+    setproctitle, which overwrites the memory ``/proc/PID/environ`` reads, so their mark is
+    lost there. They stay in the process group the supervisor made for the engine (vLLM's
+    spawn and fork keep it), which the record names (`engine_group`)."""
     marker = f"{INSTANCE_ENV}={instance}".encode()
-    found = []
+    found = set(engine_group(record)) if record is not None and record.instance == instance else set()
     for pid in _pids():
-        if pid == os.getpid():
+        if pid == os.getpid() or pid in found:
             continue
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue  # gone, or another user's
         if marker in environ.split(b"\0") and process_state(pid) not in (None, "Z"):
-            found.append(pid)
-    return found
+            found.add(pid)
+    return sorted(found)
+
+
+def engine_group(record: RunRecord) -> list[int]:
+    """Live members of the recorded engine's process group that started no earlier than it.
+
+    The group id is the engine's pid. A live group leader of that id that is not the recorded
+    engine (another start time) means the id was reused for someone else's group: nothing of
+    it is ours."""
+    leader = _stat_fields(record.engine_pid)
+    if leader is not None and int(leader[2]) == record.engine_pid and int(leader[19]) != record.engine_start:
+        return []
+    since = record.engine_start or 0
+    return [
+        pid for pid in group_members(record.engine_pid)
+        if pid != os.getpid() and (process_start_time(pid) or 0) >= since
+    ]  # fmt: skip
 
 
 def describe(pid: int) -> str:
@@ -180,27 +202,34 @@ def _is_resource_tracker(pid: int) -> bool:
         return False
 
 
-def kill_instance(instance: str, wait_s: float = LEFTOVER_EXIT_WAIT_S, tracker_grace_s: float = 2.0) -> list[str]:
-    """SIGKILL every live process of ``instance``; what was killed, for people.
+def kill_instance(
+    instance: str,
+    record: RunRecord | None = None,
+    wait_s: float = LEFTOVER_EXIT_WAIT_S,
+    tracker_grace_s: float = 2.0,
+) -> list[str]:
+    """SIGKILL every live process of ``instance`` (its run record, if given, adds its engine's
+    process group); what was killed, for people.
 
     Python's multiprocessing resource trackers go last: once the processes they serve are
     gone they remove the shared memory those leaked, then exit by themselves."""
-    found = processes_of_instance(instance)
+
+    found = processes_of_instance(instance, record)
     described = [describe(pid) for pid in found]
     for pid in found:
         if not _is_resource_tracker(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + tracker_grace_s
-    while time.monotonic() < deadline and processes_of_instance(instance):
+    while time.monotonic() < deadline and processes_of_instance(instance, record):
         time.sleep(0.05)
-    for pid in processes_of_instance(instance):
+    for pid in processes_of_instance(instance, record):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and processes_of_instance(instance):
+    while time.monotonic() < deadline and processes_of_instance(instance, record):
         time.sleep(0.1)
-    still = processes_of_instance(instance)
+    still = processes_of_instance(instance, record)
     if still:
         raise LaunchError(
             f"processes {', '.join(map(str, still))} of instance {instance} survived SIGKILL for {wait_s:.0f} s; "
@@ -211,11 +240,12 @@ def kill_instance(instance: str, wait_s: float = LEFTOVER_EXIT_WAIT_S, tracker_g
 
 def clean_leftovers(record: RunRecord | None) -> list[str]:
     """Kill what a previous start (whose supervisor is gone: we hold the lock) left alive."""
-    return [] if record is None else kill_instance(record.instance)
+    return [] if record is None else kill_instance(record.instance, record)
 
 
-def start_reaper(instance: str) -> int:
-    """Fork a process that kills every process of ``instance`` once this one is gone.
+def start_reaper(instance: str, record_file: Path | None = None) -> int:
+    """Fork a process that kills every process of ``instance`` once this one is gone (with the
+    engine's process group from ``record_file``, the run record written once it started).
 
     A parent-death signal reaches only a process's own children, and vLLM *spawns* its
     engine core on CPU (a new interpreter, no fork hook runs), so when `qwen38 serve` is
@@ -236,7 +266,8 @@ def start_reaper(instance: str) -> int:
             os.closerange(read_end + 1, os.sysconf("SC_OPEN_MAX"))
             while os.read(read_end, 1):
                 pass
-            killed = kill_instance(instance)
+            record = read_record(record_file) if record_file is not None else None
+            killed = kill_instance(instance, record)
             if killed:
                 print(f"qwen38: `qwen38 serve` is gone: killed its {len(killed)} engine processes", file=sys.stderr)
         except BaseException:

@@ -205,7 +205,7 @@ class Supervisor:
 
     def run(self) -> int:
         # First, before any thread or handler: the reaper, which ends the engine if we are killed.
-        self._reaper_pipe = lifecycle.start_reaper(self.start.instance)
+        self._reaper_pipe = lifecycle.start_reaper(self.start.instance, self.start.record_path)
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
         signal.signal(signal.SIGALRM, self._on_deadline)

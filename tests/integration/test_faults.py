@@ -32,7 +32,7 @@ import pytest
 from entrypoint.auth import OPEN_PATHS
 from entrypoint.bench.shutdown import stop_mid_stream
 from entrypoint.drain import SHUTDOWN_MESSAGE
-from entrypoint.lifecycle import processes_of_instance, read_record, record_path
+from entrypoint.lifecycle import engine_group, process_state, processes_of_instance, read_record, record_path
 from entrypoint.profiles import SHUTDOWN_MARGIN_S
 from tests.conftest import QWEN38, clean_env, free_port, launch_server, read_verdict, run_cli, wait_ready
 from tests.support.routes import concrete, logged_routes
@@ -44,12 +44,25 @@ REVERTED = "0055-cpu-gdn-unit-stride-state-indices.patch"
 REVERTED_FILE = "model_executor/layers/mamba/ops/cpu/gdn_attention.py"
 
 
-def _gone(instance: str, timeout: float) -> list[int]:
-    """Processes of ``instance`` still alive after waiting up to ``timeout`` seconds."""
+def _gone(instance: str, timeout: float, pids: list[int] = ()) -> list[int]:
+    """Processes of ``instance``, and of ``pids`` (its engine group as seen while it ran: vLLM's
+    engine core and workers carry no readable mark), still alive after up to ``timeout`` s."""
     deadline = time.monotonic() + timeout
-    while (alive := processes_of_instance(instance)) and time.monotonic() < deadline:
+
+    def alive() -> list[int]:
+        return sorted(set(processes_of_instance(instance)) | {p for p in pids if process_state(p) not in (None, "Z")})
+
+    while (left := alive()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return alive
+    return left
+
+
+def _engine_processes(server) -> list[int]:
+    """The server's engine group from its run record, checked to hold vLLM's engine core."""
+    group = engine_group(read_record(record_path(server.cache_dir / "run", server.profile)))
+    names = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in group]
+    assert any(b"EngineCore" in name for name in names), names
+    return group
 
 
 # ---- the key: every route ---------------------------------------------------------------
@@ -160,7 +173,7 @@ def test_sigterm_mid_stream_ends_every_stream_with_a_clear_error_and_exits_withi
     tmp_path, tiny_root, api_key_file, stop_cache
 ):
     server = _serve(tmp_path, tiny_root, api_key_file, stop_cache)  # cpu: shutdown_timeout 0, abort
-    instance = server.status()["instance"]
+    instance, engine = server.status()["instance"], _engine_processes(server)
     try:
         result = stop_mid_stream(server.process, server.base_url, server.api_key, timeout=120)
     finally:
@@ -172,7 +185,7 @@ def test_sigterm_mid_stream_ends_every_stream_with_a_clear_error_and_exits_withi
     assert client["detail"].startswith("openai.APIError")
     assert result["clients"][1]["detail"].startswith("anthropic.APIStatusError")
     assert "503" in result["late_request"] or "Connection error" in result["late_request"], result["late_request"]
-    assert _gone(instance, 5) == []
+    assert _gone(instance, 5, engine) == []
     status = json.loads((stop_cache / "run" / "cpu.status.json").read_text())
     assert status["ready"] is False and status["error"] == "stopped (SIGTERM)"
 
@@ -182,7 +195,7 @@ def test_sigterm_with_a_drain_lets_a_short_answer_finish_and_ends_long_ones_at_t
 ):
     drain = 4
     server = _serve(tmp_path, tiny_root, api_key_file, stop_cache, SHUTDOWN_TIMEOUT=str(drain))
-    instance = server.status()["instance"]
+    instance, engine = server.status()["instance"], _engine_processes(server)
     try:
         result = stop_mid_stream(server.process, server.base_url, server.api_key, short_tokens=24, timeout=120)
     finally:
@@ -195,7 +208,7 @@ def test_sigterm_with_a_drain_lets_a_short_answer_finish_and_ends_long_ones_at_t
         assert client["events"] > client["events_at_stop"]  # they kept streaming during the drain
     assert "503" in result["late_request"], result["late_request"]  # nothing new is admitted meanwhile
     assert result["exit_code"] == 0 and result["exit_s"] <= drain + SHUTDOWN_MARGIN_S, result
-    assert _gone(instance, 5) == []
+    assert _gone(instance, 5, engine) == []
 
 
 def test_kill_9_of_serve_or_of_its_engine_leaves_no_process_and_no_stale_ready(
@@ -203,10 +216,11 @@ def test_kill_9_of_serve_or_of_its_engine_leaves_no_process_and_no_stale_ready(
 ):
     first = _serve(tmp_path / "first", tiny_root, api_key_file, stop_cache)
     first_instance = first.status()["instance"]
-    assert len(processes_of_instance(first_instance)) >= 3  # API server, engine core, worker
+    engine = _engine_processes(first)
+    assert len(engine) >= 3  # API server, engine core, worker
     os.kill(first.process.pid, signal.SIGKILL)  # qwen38 serve itself: no cleanup code runs in it
     first.process.wait()
-    assert _gone(first_instance, 15) == []  # each died with its parent
+    assert _gone(first_instance, 15, engine) == []  # its reaper ended them
     env = {**first.env, "PYTHONPATH": clean_env()["PYTHONPATH"]}
     healthcheck = run_cli("ready", "--quick", "--profile", "cpu", env=env, timeout=60)
     assert healthcheck.returncode != 0  # the file still says ready: true, the healthcheck does not believe it
@@ -218,9 +232,10 @@ def test_kill_9_of_serve_or_of_its_engine_leaves_no_process_and_no_stale_ready(
         assert second.status()["instance"] != first_instance
         engine = read_record(record_path(stop_cache / "run", "cpu"))
         assert engine.supervisor_pid == second.process.pid
+        group = _engine_processes(second)
         os.kill(engine.engine_pid, signal.SIGKILL)  # vLLM's API server
         assert second.process.wait(timeout=30) != 0
-        assert _gone(engine.instance, 10) == []
+        assert _gone(engine.instance, 10, group) == []
     finally:
         _kill(second)
     status = read_verdict(second)

@@ -5,6 +5,7 @@ SIGTERM mid-stream, restart) is tests/integration/test_faults.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,7 +20,15 @@ import pytest
 
 from entrypoint.errors import LaunchError
 from entrypoint.launch import run_dir, status_path
-from entrypoint.lifecycle import RunRecord, processes_of_instance, record_path
+from entrypoint.lifecycle import (
+    RunRecord,
+    engine_group,
+    process_start_time,
+    process_state,
+    processes_of_instance,
+    read_record,
+    record_path,
+)
 from entrypoint.profiles import load_profile
 from entrypoint.settings import Settings
 from entrypoint.supervise import begin_start
@@ -187,17 +196,25 @@ def test_a_gate_that_cannot_pass_stops_the_supervised_engine_and_says_why(tmp_pa
 
 def test_when_serve_is_killed_its_reaper_ends_every_process_of_the_instance(tmp_path):
     """What a parent-death signal cannot do: the engine core vLLM spawns (a new interpreter)
-    outlives the API server; the reaper, woken by its pipe closing, kills it too."""
+    outlives the API server; the reaper, woken by its pipe closing, kills it too. The
+    "engine" leads its own process group, as the supervisor starts it, and its child carries
+    no readable mark (as vLLM's setproctitle leaves its engine core): the run record's group
+    finds it."""
     instance = "cccc000011112222"
+    record = tmp_path / "cpu.run.json"
     code = textwrap.dedent(
         f"""
         import os, subprocess, sys, time
-        from entrypoint.lifecycle import start_reaper
-        start_reaper({instance!r})
+        from pathlib import Path
+        from entrypoint.lifecycle import RunRecord, process_start_time, start_reaper
+        start_reaper({instance!r}, Path({str(record)!r}))
         env = {{**os.environ, "QWEN38_INSTANCE": {instance!r}}}
         sleep = "import time; time.sleep(300)"
-        inner = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {{sleep!r}}]); time.sleep(300)"
-        subprocess.Popen([sys.executable, "-c", inner], env=env)
+        inner = ("import os, subprocess, sys, time; env = dict(os.environ); env.pop('QWEN38_INSTANCE'); "
+                 f"subprocess.Popen([sys.executable, '-c', {{sleep!r}}], env=env); time.sleep(300)")
+        engine = subprocess.Popen([sys.executable, "-c", inner], env=env, process_group=0)
+        RunRecord("cpu", {instance!r}, os.getpid(), process_start_time(os.getpid()), engine.pid,
+                  process_start_time(engine.pid), "127.0.0.1:1").write(Path({str(record)!r}))
         print("started", flush=True)
         time.sleep(300)
         """
@@ -206,18 +223,39 @@ def test_when_serve_is_killed_its_reaper_ends_every_process_of_the_instance(tmp_
         [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )  # fmt: skip
+    engine = []
     try:
         assert serve.stdout.readline().strip() == "started"
+        run = read_record(record)
         deadline = time.monotonic() + 20
-        while len(processes_of_instance(instance)) < 2 and time.monotonic() < deadline:
+        while len(engine_group(run)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(processes_of_instance(instance)) == 2  # a spawned "engine" and its own child
+        engine = engine_group(run)
+        assert len(engine) == 2  # a spawned "engine" and its own child
+        assert processes_of_instance(instance) == [run.engine_pid]  # the child's mark is not readable
+        assert processes_of_instance(instance, run) == engine
         serve.kill()  # SIGKILL: no cleanup code runs in it
         serve.wait()
         deadline = time.monotonic() + 10
-        while processes_of_instance(instance) and time.monotonic() < deadline:
+        while any(process_state(pid) not in (None, "Z") for pid in engine) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert processes_of_instance(instance) == []
+        assert [pid for pid in engine if process_state(pid) not in (None, "Z")] == []
     finally:
-        for pid in processes_of_instance(instance):
-            os.kill(pid, signal.SIGKILL)
+        for pid in engine:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_reused_group_id_is_not_taken_for_the_engines_group(tmp_path):
+    """A live group leader whose start time is not the recorded engine's owns that group id
+    now: nothing of it is killed."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], process_group=0)
+    try:
+        stale = RunRecord("cpu", "dddd000011112222", 1, None, other.pid, 1, "127.0.0.1:1")
+        assert engine_group(stale) == []
+        assert processes_of_instance("dddd000011112222", stale) == []
+        assert engine_group(RunRecord("cpu", "dddd000011112222", 1, None, other.pid,
+                                      process_start_time(other.pid), "127.0.0.1:1")) == [other.pid]
+    finally:
+        other.kill()
+        other.wait()
