@@ -13,6 +13,7 @@ import pytest
 
 from entrypoint.cli import main
 from entrypoint.errors import ArtifactError, PrepareError
+from entrypoint.patches import read_series_names
 from entrypoint.profiles import load_profile
 from entrypoint.verify import VerifyFailed, verify_profile
 from prepare.artifact_lock import UNPINNED, LockedArtifact, LockedFile, load_lock, write_lock
@@ -34,7 +35,8 @@ TARGET_REPO, DRAFTER_REPO = "dbirks/Qwen3.8-27B-W4A16-AutoRound", "syvai/Qwen3.8
 TARGET_COMMIT, DRAFTER_COMMIT = "1" * 40, "2" * 40
 PREPARED = "prepared/qwen3.8-27b-w4a16-int8"
 REWRITTEN = "model-00003-of-00003.safetensors"  # holds lm_head: written fresh, not linked
-PATCHES_ONLY = "patches: profile single runs the patched engine, but 10 patches are not delivered in "
+# Every patch of the series is missing from the stock engine.
+PATCHES_ONLY = f"patches: profile single runs the patched engine, but {len(read_series_names())} patches are not delivered in "
 
 
 def _files(directory: Path) -> dict[str, bytes]:
