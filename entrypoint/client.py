@@ -3,8 +3,8 @@ validators and the benchmarks all talk to the server through it.
 
 It knows the endpoints vLLM 0.28.0 serves (OpenAI chat/completions/responses, Anthropic
 messages, /v1/models, /health, /metrics) and parses Prometheus text for metric deltas.
-The API key travels only as ``Authorization: Bearer`` (the only form vLLM checks); it is
-never logged or repr'd.
+The API key travels as ``Authorization: Bearer`` (the stack's guard also takes Anthropic's
+``x-api-key``, `entrypoint.auth`); it is never logged or repr'd.
 """
 
 from __future__ import annotations
@@ -100,6 +100,10 @@ class StackClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def has_key(self) -> bool:
+        return bool(self._api_key)
+
     def headers(self, api_key: str | None | _UseDefault = _USE_DEFAULT) -> dict[str, str]:
         key = self._api_key if isinstance(api_key, _UseDefault) else api_key
         return {"Authorization": f"Bearer {key}"} if key else {}
@@ -118,13 +122,22 @@ class StackClient:
         except httpx.TransportError:
             return False
 
+    def instance(self) -> str | None:
+        """The ``x-qwen38-instance`` id the server answers /health with (None: none, or down)."""
+        from entrypoint.asgi import INSTANCE_HEADER
+
+        try:
+            return self._http.get("/health", timeout=5.0).headers.get(INSTANCE_HEADER)
+        except httpx.TransportError:
+            return None
+
     def model_ids(self) -> list[str]:
         response = self.get("/v1/models")
         response.raise_for_status()
         return [entry["id"] for entry in response.json()["data"]]
 
     def metrics(self) -> Metrics:
-        response = self._http.get("/metrics")
+        response = self.get("/metrics")
         response.raise_for_status()
         return parse_metrics(response.text)
 

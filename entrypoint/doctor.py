@@ -3,9 +3,11 @@
 Checks, for GPU profiles: the NVIDIA driver and GPU (nvidia-smi), the CUDA runtime torch
 was built for, free GPU memory against what the profile will take (its pinned KV pool
 plus its weights), other processes holding GPU memory (the Spark article lost a day to a
-stray llama-server holding 21.7 GiB), and the curand headers a JIT build needs (without
-them FlashInfer's sampling kernels fail to build and vLLM silently falls back, ~5 %
-slower on the 3090). For every profile: the compile-cache location and size.
+stray llama-server holding 21.7 GiB), and the CUDA JIT toolchain where FlashInfer looks for
+it (`entrypoint.toolchain`: nvcc, the CUDA and curand headers - without curand's,
+FlashInfer's sampling kernels fail to build and vLLM silently falls back, ~5 % slower on the
+3090 - cudart, C and C++ compilers, Python's headers, ninja). For every profile: the
+compile-cache location and size.
 
 A blocker exits non-zero; warnings do not. The image runs it before launch with
 ``--warn-only`` (it reports, never stops the start), and users run it on demand.
@@ -15,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import subprocess
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from entrypoint.errors import StackError
 from entrypoint.profiles import Profile
+from entrypoint.toolchain import Runner, check_toolchain, jit_cuda_home, run_command, torch_cuda_version
 
 Level = Literal["ok", "warn", "blocker", "info"]
 GIB = 1 << 30
@@ -60,20 +60,6 @@ class GpuInfo:
     compute_cap: str
 
 
-Runner = Callable[[list[str]], str | None]
-
-
-def run_command(argv: list[str]) -> str | None:
-    """stdout of a command, or None when it is missing or fails."""
-    if shutil.which(argv[0]) is None:
-        return None
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
-
-
 def parse_gpus(csv: str) -> list[GpuInfo]:
     gpus = []
     for line in csv.strip().splitlines():
@@ -105,26 +91,10 @@ def query_processes(run: Runner) -> list[GpuProcess]:
     return [] if csv is None else parse_processes(csv)
 
 
-def curand_header(search: list[Path]) -> Path | None:
-    for root in search:
-        candidate = root / "curand.h"
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def default_include_dirs() -> list[Path]:
-    """Where a JIT build looks for CUDA headers: CUDA_HOME, the toolkit, the pip wheels."""
-    roots = [Path(p) / "include" for p in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")) if p]
-    roots += [Path("/usr/local/cuda/include"), Path("/usr/include")]
-    try:
-        import nvidia  # the nvidia-*-cu13 wheels put headers under nvidia/<lib>/include
-
-        for base in getattr(nvidia, "__path__", []):
-            roots += sorted(Path(base).glob("*/include"))
-    except ImportError:
-        pass
-    return roots
+# Without these Triton cannot build the launchers of the engine's own kernels (the GDN layers
+# run on Triton), so the engine cannot serve; the other pieces are FlashInfer's JIT, reported as
+# warnings like the missing curand headers always were.
+BLOCKING_TOOLCHAIN_CHECKS = frozenset({"c compiler", "python headers"})
 
 
 def directory_size(path: Path) -> int:
@@ -162,7 +132,7 @@ def diagnose(
     cache_dir: Path,
     weights_bytes: int,
     run: Runner = run_command,
-    include_dirs: list[Path] | None = None,
+    cuda_home: Path | None = None,
     cuda_runtime: str | None = None,
 ) -> list[Finding]:
     """Every check for ``profile`` on this machine (I/O through ``run`` and the paths)."""
@@ -187,27 +157,22 @@ def diagnose(
                 findings.append(Finding("warn", "processes", f"other processes hold GPU memory: {held}"))
             else:
                 findings.append(Finding("ok", "processes", "no other process holds GPU memory"))
-        runtime = cuda_runtime if cuda_runtime is not None else _torch_cuda()
+        runtime = cuda_runtime if cuda_runtime is not None else torch_cuda_version()
         findings.append(
             Finding("ok", "cuda", f"torch built for CUDA {runtime}") if runtime
             else Finding("blocker", "cuda", "torch has no CUDA runtime (a CPU build?)"))
-        header = curand_header(include_dirs if include_dirs is not None else default_include_dirs())
-        findings.append(
-            Finding("ok", "curand", f"{header}") if header
-            else Finding("warn", "curand", "curand.h not found: JIT-built sampling kernels fall back silently "
-                         "(~5 % slower); install the CUDA curand headers (e.g. libcurand-dev-13-0)"))
+        home = cuda_home if cuda_home is not None else jit_cuda_home(dict(os.environ))
+        for check in check_toolchain(home, torch_cuda=runtime, run=run):
+            if check.ok:
+                findings.append(Finding("ok", check.name, check.detail))
+            else:
+                level = "blocker" if check.name in BLOCKING_TOOLCHAIN_CHECKS else "warn"
+                findings.append(Finding(level, check.name, f"{check.detail}: {check.consequence} "
+                                        "(`qwen38 toolchain check`; docs/images.md)"))
     root = cache_dir.absolute()
     size = directory_size(root) if root.exists() else 0
     findings.append(Finding("info", "compile cache", f"{root} ({size / GIB:.2f} GiB)"))
     return findings
-
-
-def _torch_cuda() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch.version.cuda
 
 
 def weights_size(settings, profile: Profile) -> int:
@@ -242,7 +207,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "doctor",
-        help="check this machine for a profile (GPU, driver, CUDA, memory, other processes, curand, cache)",
+        help="check this machine for a profile (GPU, driver, CUDA, memory, other processes, JIT toolchain, cache)",
     )
     parser.add_argument("--profile", help="profile to check for (default: the PROFILE setting)")
     parser.add_argument("--warn-only", action="store_true", help="report blockers without failing (image start)")

@@ -83,6 +83,12 @@ class ImageError(StackError):
     code = "image"
 
 
+class ToolchainError(StackError):
+    """The CUDA JIT toolchain of an image is missing a piece, or cannot be laid out."""
+
+    code = "toolchain"
+
+
 class PlanError(StackError):
     """A profile that cannot fit in its memory budget."""
 
@@ -106,6 +112,12 @@ class ValidationFailed(StackError):
 
     code = "validate"
     exit_code = 1
+
+
+class MonitoringError(StackError):
+    """A monitoring endpoint (Prometheus, a server's /metrics) that cannot be read."""
+
+    code = "monitoring"
 
 
 class BenchError(StackError):

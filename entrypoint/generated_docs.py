@@ -1,7 +1,8 @@
 """`qwen38 docs`: regenerate what the docs derive from the code (or check it has not drifted).
 
 `.env.example` and the README's settings and profiles tables are generated from the
-settings fields and the profile files; editing them by hand is a drift the tests catch.
+settings fields and the profile files, the monitoring profile's Grafana dashboard from
+`entrypoint.dashboard`; editing them by hand is a drift the tests catch.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import re
 from pathlib import Path
 
+from entrypoint.dashboard import DASHBOARD_PATH, dashboard_json
 from entrypoint.errors import StackError
 from entrypoint.profiles import render_profiles_table
 from entrypoint.settings import render_env_example
@@ -33,20 +35,25 @@ def render_readme(text: str) -> str:
 
 
 def _cmd_docs(args: argparse.Namespace) -> int:
-    targets = {REPO / ".env.example": render_env_example(), REPO / "README.md": render_readme((REPO / "README.md").read_text())}
-    stale = [path for path, content in targets.items() if path.read_text() != content]
+    targets = {
+        REPO / ".env.example": render_env_example(),
+        REPO / "README.md": render_readme((REPO / "README.md").read_text()),
+        DASHBOARD_PATH: dashboard_json(),
+    }
+    stale = [path for path, content in targets.items() if not path.is_file() or path.read_text() != content]
     if args.check:
         if stale:
             raise StackError(f"generated docs are stale: {', '.join(p.name for p in stale)}; run `qwen38 docs`")
         print("generated docs are up to date")
         return 0
     for path in stale:
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(targets[path])
         print(f"updated {path.name}")
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("docs", help="regenerate .env.example and the README tables")
+    parser = subparsers.add_parser("docs", help="regenerate .env.example, the README tables and the Grafana dashboard")
     parser.add_argument("--check", action="store_true", help="fail if they are stale instead of writing")
     parser.set_defaults(func=_cmd_docs)

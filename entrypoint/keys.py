@@ -18,11 +18,22 @@ DEFAULT_KEY_FILE = Path("secrets/api_key")
 
 
 def init_key_file(path: Path) -> bool:
-    """Create ``path`` with a fresh key unless it exists; True when a key was created."""
+    """Create ``path`` with a fresh key unless it exists; True when a key was created.
+
+    Only the default directory (``secrets/``) is created, private; any other must exist:
+    a mistyped ``--file`` must not leave directories behind.
+    """
     if path.exists():
         if not path.is_file():
             raise SettingsError(f"{path}: exists and is not a file")
         return False
+    if not path.parent.is_dir():
+        if path.parent != DEFAULT_KEY_FILE.parent:
+            raise SettingsError(
+                f"--file {path}: directory {path.parent} does not exist; create it first "
+                f"(`mkdir -p -m 700 {path.parent}`) or name a file in an existing directory"
+            )
+        path.parent.mkdir(mode=0o700)
     old_umask = os.umask(0o077)
     try:
         with atomic_file(path, "w") as handle:

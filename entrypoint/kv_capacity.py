@@ -114,7 +114,12 @@ def _select_backend(request: dict[str, Any], config, *, drafter: bool = False):
 
     if request["platform"] != "cuda":
         return AttentionBackendEnum.CPU_ATTN.get_class(), "CPU_ATTN"
-    forced = request.get("attention_backend")
+    # vLLM builds the drafter with the speculative config's backend, never the target's
+    # (v1/worker/gpu/spec_decode/dflash/utils.py): None means it selects one of its own.
+    if drafter and config.speculative_config is not None and config.speculative_config.attention_backend:
+        chosen = config.speculative_config.attention_backend
+        return chosen.get_class(), chosen.name
+    forced = None if drafter else request.get("attention_backend")
     if forced:
         return AttentionBackendEnum[forced].get_class(), forced
     if drafter and config.speculative_config is not None:

@@ -7,15 +7,17 @@ environment and ``--config`` YAML content. It renders the `ResolvedEngine`
 nothing else there); the API key travels in the environment, never in argv, and is masked
 whenever an invocation is shown.
 
-`exec_engine` replaces this process with vLLM, so that vLLM itself is the process (PID 1
-in a container, under tini) that receives SIGTERM; `entrypoint.serve` runs the whole flow.
+`qwen38 serve` (`entrypoint.serve`) runs the flow of DESIGN.md: settings -> verify -> plan ->
+render -> launch, where launch is a supervisor (`entrypoint.supervise`) that owns vLLM's
+processes, stops them within a bound and runs the readiness gate;
+`entrypoint.asgi.StackMiddleware`, named in the YAML, puts the API key guard around every
+route of vLLM's app.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -25,14 +27,16 @@ from typing import Any
 import yaml
 from pydantic import SecretStr
 
-from entrypoint.errors import LaunchError, SettingsError
+from entrypoint.asgi import API_KEY_ENV, MIDDLEWARE_PATH
+from entrypoint.drain import DRAIN_ENV, ENGINE_GRACE_S
+from entrypoint.errors import SettingsError
 from entrypoint.profiles import Profile
 from entrypoint.resolve import ResolvedEngine, resolve
 from entrypoint.settings import Settings, load_settings, load_settings_profile, read_api_key
 
-ENGINE_MODULE = "vllm.entrypoints.openai.api_server"
+ENGINE_MODULE = "entrypoint.engine_main"  # vLLM's OpenAI server, tied to the supervisor's life
 MASK = "********"
-SECRET_ENV = frozenset({"VLLM_API_KEY"})
+SECRET_ENV = frozenset({API_KEY_ENV})
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ COMPILE_IGNORED = {
     "lora.adapter_id": "which adapter, not its shape",
     "lora.path": "which adapter, not its shape",
     "lora.base_model_name": "which adapter, not its shape",
+    "shutdown_timeout": "how long a stop waits, not what runs",
     "overridden": "where a value came from, not the value",
 }
 
@@ -112,6 +117,13 @@ def _engine_config(resolved: ResolvedEngine, settings: Settings) -> dict[str, An
         # Per-request cached-token counts: the cache-isolation validator reads them.
         "enable-prompt-tokens-details": True,
         "uvicorn-log-level": settings.log_level,
+        # The watchdog and Prometheus read /metrics every few seconds: not a log line each.
+        "disable-access-log-for-endpoints": "/metrics",
+        # The key guard around every route (vLLM's own covers /v1 & co. only), the instance
+        # header, and the end of open streams at shutdown (entrypoint.asgi).
+        "middleware": [MIDDLEWARE_PATH],
+        # vLLM drains a little longer than the guard, which ends what is still open first.
+        "shutdown-timeout": resolved.shutdown_timeout + ENGINE_GRACE_S,
     }
     optional = {
         "kv-cache-memory-bytes": resolved.kv_cache_memory_bytes,
@@ -127,6 +139,11 @@ def _engine_config(resolved: ResolvedEngine, settings: Settings) -> dict[str, An
         "enable-flashinfer-autotune": resolved.enable_flashinfer_autotune,
     }
     config.update({k: v for k, v in optional.items() if v is not None})
+    if resolved.cudagraph_capture_limit is not None:
+        config["compilation-config"] = {
+            **(resolved.compilation_config or {}),
+            "max_cudagraph_capture_size": resolved.cudagraph_capture_limit,
+        }
     if resolved.enforce_eager:
         config["enforce-eager"] = True
     if resolved.language_model_only:
@@ -148,6 +165,8 @@ def _engine_config(resolved: ResolvedEngine, settings: Settings) -> dict[str, An
             spec_config["model"] = spec.drafter_dir
         if spec.draft_sample_method is not None:
             spec_config["draft_sample_method"] = spec.draft_sample_method
+        if spec.attention_backend is not None:
+            spec_config["attention_backend"] = spec.attention_backend
         config["speculative-config"] = spec_config
 
     lora = resolved.lora
@@ -180,12 +199,14 @@ def _engine_env(resolved: ResolvedEngine, settings: Settings, api_key: SecretStr
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        DRAIN_ENV: str(resolved.shutdown_timeout),
     }
     if resolved.platform == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = settings.cuda_visible_devices
     env.update(resolved.env)
     if api_key is not None:
-        env["VLLM_API_KEY"] = api_key.get_secret_value()
+        # Our guard's variable, not VLLM_API_KEY: vLLM would install its own narrower check beside it.
+        env[API_KEY_ENV] = api_key.get_secret_value()
     return env
 
 
@@ -251,35 +272,6 @@ def write_run_files(invocation: Invocation) -> None:
     atomic_write_text(invocation.config_path, invocation.config_yaml())
 
 
-def exec_engine(invocation: Invocation, watcher=None) -> None:
-    """Replace this process with vLLM; `watcher(engine_pid)` runs in a detached grandchild.
-
-    The watcher is forked twice: the middle process exits at once and is reaped here before
-    the exec, so the watcher is re-parented to init (tini in the image), which reaps it when
-    it finishes. A plain child would stay a zombie under vLLM, which never waits for it.
-    """
-    env = {**os.environ, **invocation.env}
-    try:
-        os.stat(invocation.argv[0])
-    except FileNotFoundError:
-        raise LaunchError(f"engine interpreter {invocation.argv[0]} does not exist") from None
-    engine_pid = os.getpid()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if watcher is not None:
-        middle = os.fork()
-        if middle == 0:
-            if os.fork() == 0:
-                code = 1
-                try:
-                    code = watcher(engine_pid)
-                except KeyboardInterrupt:
-                    code = 130
-                finally:
-                    os._exit(code)
-            os._exit(0)
-        os.waitpid(middle, 0)
-    os.execve(invocation.argv[0], invocation.argv, env)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

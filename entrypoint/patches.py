@@ -357,11 +357,19 @@ def _write_tree_file(vllm_dir: Path, path: str, text: str | None) -> None:
 
 
 def series_tree(
-    vllm_dir: Path | str, dest: Path | str, *, patched: bool, series_dir: Path = SERIES_DIR
+    vllm_dir: Path | str,
+    dest: Path | str,
+    *,
+    patched: bool,
+    series_dir: Path = SERIES_DIR,
+    without: str | None = None,
 ) -> Path:
     """Build at ``dest/vllm`` a view of ``vllm_dir`` with every file the series touches
     pristine (``patched=False``) or fully patched; everything else is a symlink to the
     original. Returns ``dest``, the directory to put first on PYTHONPATH.
+
+    ``without`` names a patch to leave out of a patched view (the files it touches stay at
+    the state before it, so later patches of the same files are left out too).
 
     Bytecode caches are not linked (run Python with PYTHONPYCACHEPREFIX or
     PYTHONDONTWRITEBYTECODE, so the original tree is never written to).
@@ -369,9 +377,14 @@ def series_tree(
     vllm_dir = Path(vllm_dir).resolve()
     dest = Path(dest)
     series = load_series(series_dir)
+    if without is not None and without not in [p.name for p in series.patches]:
+        raise PatchError(f"{without}: not a patch of {series_dir / SERIES_NAME}")
     contents: dict[str, str | None] = {}
     for path in series.paths:
         target = len(state_hashes(series, path)) - 1 if patched else 0
+        touching = [p.name for p, _ in series.touching(path)]
+        if patched and without in touching:
+            target = touching.index(without)
         contents[path] = content_at(series, path, read_tree_file(vllm_dir, path), target)
     root = dest / "vllm"
     if root.exists():

@@ -57,6 +57,7 @@ PLAN_IGNORED = {
     "structured_outputs_config": "API layer",
     "default_chat_template_kwargs": "API layer",
     "seed": "sampling",
+    "shutdown_timeout": "how long a stop waits, not what runs",
     "target_dir": "the config.json text is hashed instead of its path",
     "speculative.drafter_dir": "the config.json text is hashed instead of its path",
     "lora.adapter_id": "which adapter, not its shape",
@@ -234,6 +235,8 @@ def build_request(resolved: ResolvedEngine, configs: ModelConfigs, workdir: Path
         speculative: dict = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
         if spec.draft_sample_method:
             speculative["draft_sample_method"] = spec.draft_sample_method
+        if spec.attention_backend:
+            speculative["attention_backend"] = spec.attention_backend
         if configs.drafter is not None:
             speculative["model"] = shape_only_copy(configs.drafter, workdir / "drafter")
         request["speculative"] = speculative

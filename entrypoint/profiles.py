@@ -26,6 +26,11 @@ KVCacheDType = Literal[
 MambaDType = Literal["auto", "float32", "float16", "bfloat16"]
 
 
+# The longest drain a profile or SHUTDOWN_TIMEOUT may ask for: with the supervisor's teardown
+# margin (entrypoint.supervise) it stays well inside compose's 60 s stop_grace_period.
+MAX_SHUTDOWN_TIMEOUT_S = 30
+SHUTDOWN_MARGIN_S = 15  # after the drain, for the engine's teardown before its processes are killed
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -79,6 +84,11 @@ class Speculative(_Strict):
     method: Literal["dflash", "draft_model", "ngram", "mtp"] = "dflash"
     num_speculative_tokens: int = Field(ge=1, le=16)
     draft_sample_method: Literal["greedy", "probabilistic"] | None = None
+    attention_backend: Literal["TRITON_ATTN", "FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION"] | None = Field(
+        default=None,
+        description="Attention backend of the drafter's layers (vLLM's speculative_config.attention_backend). "
+        "None: vLLM selects one for the drafter on its own; it never inherits the target's.",
+    )
     lookup: bool = Field(
         default=False,
         description="Lookup drafting (reproduction mode) default on/off; the LOOKUP setting overrides it.",
@@ -153,6 +163,13 @@ class Engine(_Strict):
     additional_config: dict[str, Any] | None = None
     enable_flashinfer_autotune: bool | None = None
     language_model_only: bool = False
+    shutdown_timeout: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_SHUTDOWN_TIMEOUT_S,
+        description="Seconds SIGTERM lets in-flight requests finish before they are ended (vLLM's "
+        "--shutdown-timeout; 0: end them at once).",
+    )
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     structured_outputs_config: dict[str, Any] | None = None
@@ -189,7 +206,9 @@ class Profile(_Strict):
     cuda_arch: str | None = Field(default=None, description="Compute capability, e.g. 8.6.")
     require_api_key: bool = False
     require_patches: bool = Field(
-        default=False, description="Refuse to serve unless every patch of the series is delivered."
+        default=True,
+        description="Refuse to serve unless every patch of the series is delivered (every profile of this "
+        "stack runs the patched engine; only a test profile turns this off).",
     )
     served: Served
     models: Models

@@ -1,14 +1,19 @@
 """The readiness gate: a deployment is ready only when it proves it.
 
-1. ``/health`` answers 200;
-2. ``/v1/models`` lists every id the profile serves;
+1. ``/health`` answers 200, from the server this start launched: its ``x-qwen38-instance``
+   header carries this start's instance id (another server on the port is not ours);
+2. ``/v1/models`` lists every id the profile serves, and with a key configured refuses a
+   request without it (the key guard is in place);
 3. a greedy canary request to the base answers with at least one token;
 4. for LoRA profiles, the adapter's greedy answer differs from the base's (upstream vLLM
    has an open report of LoRA on this model family silently returning base output).
 
-`qwen38 serve` runs it in a watcher process beside the engine, records the outcome in a
-status file (read by `qwen38 ready --quick`, the container healthcheck) and stops the
-engine when the gate fails: fail closed. `qwen38 ready` runs it against any deployment.
+`qwen38 serve` runs it in a thread of its supervisor (`entrypoint.supervise`), records the
+outcome in a status file (read by `qwen38 ready --quick`, the container healthcheck, which
+checks the instance id again) and stops the engine when the gate fails: fail closed. Once
+it passed, the same thread runs the watchdog (`entrypoint.watchdog`), which keeps the
+status current: a stalled engine or a failed canary turns it to ``ready: false``.
+`qwen38 ready` runs the gate against any deployment.
 """
 
 from __future__ import annotations
@@ -20,20 +25,17 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import httpx
 from pydantic import SecretStr
 
+from entrypoint.canary import ask_canary
 from entrypoint.client import StackClient
 from entrypoint.errors import ReadinessError
+from entrypoint.lifecycle import is_running, process_start_time
 from entrypoint.profiles import Profile
 from entrypoint.settings import Settings
-
-CANARY_PROMPT = "Write one sentence about caches."
-CANARY_TOKENS = 12
-
 
 @dataclass
 class ReadyReport:
@@ -46,22 +48,10 @@ class ReadyReport:
     identity: str | None = None
     error: str | None = None
     checks: list[str] = field(default_factory=list)
-
-
-def _greedy(client: StackClient, model: str) -> str:
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": CANARY_PROMPT}],
-        "max_tokens": CANARY_TOKENS,
-        "temperature": 0,
-        "chat_template_kwargs": {"enable_thinking": False},
-    }
-    data = client.post_json("/v1/chat/completions", body)
-    choice = data["choices"][0]
-    text = choice["message"].get("content") or ""
-    if data.get("usage", {}).get("completion_tokens", 0) < 1:
-        raise ReadinessError(f"canary on {model}: no tokens generated")
-    return text
+    instance: str | None = None  # the start's instance id (x-qwen38-instance)
+    pid: int | None = None  # the supervisor that wrote it
+    ready_at: float | None = None  # epoch seconds when the gate passed
+    watchdog: dict | None = None  # `entrypoint.watchdog.WatchdogState` once the gate passed
 
 
 def wait_for_health(client: StackClient, timeout: float, alive: Callable[[], bool] = lambda: True) -> float:
@@ -86,13 +76,20 @@ def run_gate(
     adapter_id: str | None,
     timeout: float,
     alive: Callable[[], bool] = lambda: True,
+    instance: str | None = None,
 ) -> ReadyReport:
-    """The four checks, in order; raises `ReadinessError` naming the first that fails."""
+    """The four checks, in order; raises `ReadinessError` naming the first that fails.
+
+    With ``instance``, the server answering must be the one started with that id."""
     start = time.monotonic()
     expected = [base_id] + ([adapter_id] if adapter_id else [])
     report = ReadyReport(ready=False, base_url=client.base_url, model_ids=expected, seconds=0.0)
     wait_for_health(client, timeout, alive)
-    report.checks.append("health: 200")
+    if instance is not None:
+        check_instance(client, instance)
+        report.checks.append(f"health: 200 from instance {instance}")
+    else:
+        report.checks.append("health: 200")
     try:
         listed = client.model_ids()
     except httpx.HTTPStatusError as exc:
@@ -101,11 +98,18 @@ def run_gate(
     if missing:
         raise ReadinessError(f"/v1/models lists {listed}; missing {missing}")
     report.checks.append(f"models: {', '.join(expected)}")
+    if client.has_key:
+        keyless = client.get("/v1/models", api_key=None).status_code
+        if keyless != 401:
+            raise ReadinessError(
+                f"/v1/models answered {keyless} to a request without the API key: the key guard is not in place"
+            )
+        report.checks.append("key: a request without it gets 401")
     try:
-        report.canary = _greedy(client, base_id)
+        report.canary = ask_canary(client, base_id).text
         report.checks.append(f"canary: {base_id} answered")
         if adapter_id:
-            report.adapter_canary = _greedy(client, adapter_id)
+            report.adapter_canary = ask_canary(client, adapter_id).text
             if report.adapter_canary == report.canary:
                 raise ReadinessError(
                     f"adapter {adapter_id} answered exactly like the base {base_id} at temperature 0: "
@@ -117,6 +121,16 @@ def run_gate(
     report.ready = True
     report.seconds = time.monotonic() - start
     return report
+
+
+def check_instance(client: StackClient, instance: str) -> None:
+    """The server at ``client.base_url`` is the one started with ``instance``."""
+    answered = client.instance()
+    if answered != instance:
+        raise ReadinessError(
+            f"{client.base_url} is answered by another server (instance {answered or 'unknown'}, this start is "
+            f"{instance}): is the port in use by another process?"
+        )
 
 
 def base_url_for(settings: Settings) -> str:
@@ -135,65 +149,108 @@ def write_status(settings: Settings, profile_name: str, report: ReadyReport) -> 
     atomic_write_text(status_path(settings, profile_name), json.dumps(asdict(report), indent=2) + "\n")
 
 
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot): a pid plus this is unique."""
+def read_status(settings: Settings, profile_name: str) -> dict | None:
+    from entrypoint.launch import status_path
+
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return json.loads(status_path(settings, profile_name).read_text())
+    except (OSError, ValueError):
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 class Watcher:
-    """The forked companion of the engine: runs the gate, reports, fails closed."""
+    """The engine's companion (a thread of `qwen38 serve`'s supervisor): runs the gate,
+    reports, fails closed."""
 
-    def __init__(self, profile: Profile, settings: Settings, api_key: SecretStr | None, identity: str | None = None):
+    def __init__(
+        self,
+        profile: Profile,
+        settings: Settings,
+        api_key: SecretStr | None,
+        identity: str | None = None,
+        instance: str | None = None,
+    ):
         self.profile = profile
         self.settings = settings
         self.api_key = api_key
         self.identity = identity
+        self.instance = instance
         self.base_url = base_url_for(settings)
 
-    def run(self, engine_pid: int) -> int:
-        """Gate the engine ``engine_pid`` (exec'ed after forking this watcher); exits when it does."""
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    def run(
+        self,
+        engine_pid: int,
+        stop: Callable[..., None] | None = None,
+        publish: Callable[[ReadyReport], None] | None = None,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> int:
+        """Gate the engine ``engine_pid``; on failure ``stop()`` it (default: SIGTERM to it).
+
+        Once the gate passed, watch it (`entrypoint.watchdog`) until it exits or ``stopping()``;
+        a watchdog that acts calls ``stop(reason)``."""
         started = process_start_time(engine_pid)
+        publish = publish or (lambda report: write_status(self.settings, self.profile.name, report))
 
         def alive() -> bool:
             # A pid alone may be reused once the engine exits; pid and start time are not.
-            state = _process_state(engine_pid)
-            return state is not None and state != "Z" and process_start_time(engine_pid) == started
+            return is_running(engine_pid, started)
+
+        def stop_engine(reason: str | None = None) -> None:
+            if stop is None:
+                os.kill(engine_pid, signal.SIGTERM)
+            elif reason is None:
+                stop()
+            else:
+                stop(reason)
 
         key = self.api_key.get_secret_value() if self.api_key else None
         with StackClient(self.base_url, key) as client:
             try:
                 report = run_gate(
-                    client, self.profile.served.base, self.profile.served.adapter, self.settings.ready_timeout, alive
+                    client, self.profile.served.base, self.profile.served.adapter, self.settings.ready_timeout, alive,
+                    instance=self.instance,
                 )
-            except ReadinessError as exc:
+            except (ReadinessError, httpx.TransportError) as exc:
                 report = ReadyReport(False, self.base_url, self.profile.model_ids, 0.0, error=str(exc))
                 report.identity = self.identity
-                write_status(self.settings, self.profile.name, report)
+                publish(report)
                 if alive():
                     print(f"qwen38: ready: {exc}; stopping the engine (fail closed)", file=sys.stderr, flush=True)
-                    os.kill(engine_pid, signal.SIGTERM)
+                    stop_engine()
                 return 1
         report.identity = self.identity
-        write_status(self.settings, self.profile.name, report)
+        report.ready_at = time.time()
+        publish(report)
         key_note = self.settings.api_key_source() or "no API key (loopback only)"
         print(
             f"qwen38: ready in {report.seconds:.1f} s at {self.base_url}/v1 "
             f"(models: {', '.join(report.model_ids)}; API key: {key_note})",
             flush=True,
         )
+        self._watch(report, key, publish, alive, stopping, stop_engine)
         return 0
 
+    def _watch(
+        self,
+        report: ReadyReport,
+        key: str | None,
+        publish: Callable[[ReadyReport], None],
+        alive: Callable[[], bool],
+        stopping: Callable[[], bool],
+        stop_engine: Callable[[str], None],
+    ) -> None:
+        """The watchdog after the gate: each change of its state rewrites the status."""
+        from entrypoint.watchdog import Watchdog, WatchdogConfig, WatchdogState
 
-def _process_state(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
+        def publish_state(state: WatchdogState) -> None:
+            report.watchdog = state.public()
+            report.ready = state.healthy
+            report.error = None if state.healthy else f"watchdog: {state.problem}"
+            publish(report)
+
+        config = WatchdogConfig.from_settings(self.settings)
+        dog = Watchdog(config, self.base_url, key, self.profile.served.base, report.canary, publish_state)
+        dog.run(alive, stopping, stop_engine)
 
 
 # ---- command ---------------------------------------------------------------------------
@@ -213,10 +270,14 @@ def _cmd_ready(args: argparse.Namespace) -> int:
         except (FileNotFoundError, json.JSONDecodeError):
             raise ReadinessError(f"{path}: no readiness status yet (the gate has not finished)") from None
         if not status.get("ready"):
+            if status.get("watchdog"):  # the gate passed; the watchdog found a problem since
+                raise ReadinessError(f"unhealthy: {status.get('error')}")
             raise ReadinessError(f"readiness gate failed: {status.get('error')}")
         with StackClient(base_url, secret) as client:
             if not client.health():
                 raise ReadinessError(f"{base_url}/health does not answer 200")
+            if status.get("instance"):
+                check_instance(client, status["instance"])  # still the server that passed the gate
         print("ready")
         return 0
     with StackClient(base_url, secret) as client:

@@ -40,6 +40,7 @@ KNOBS = {
     "lookup": "LOOKUP",
     "verify_block": "VERIFY_BLOCK",
     "enable_thinking": "ENABLE_THINKING",
+    "shutdown_timeout": "SHUTDOWN_TIMEOUT",
 }
 
 
@@ -55,6 +56,7 @@ class ResolvedSpeculative(_Frozen):
     lookup_tokens: int  # verify positions past the drafter's, filled by lookup drafting (patch 0070)
     draft_sample_method: str | None
     drafter_dir: str | None  # absolute; None for methods without a drafter model
+    attention_backend: str | None  # the drafter's layers' backend; None: vLLM selects one for it
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -95,6 +97,7 @@ class ResolvedEngine(_Frozen):
     attention_backend: str | None
     enforce_eager: bool
     compilation_config: dict[str, Any] | None
+    cudagraph_capture_limit: int | None  # the largest CUDA graph captured (see `cudagraph_capture_limit`)
     additional_config: dict[str, Any] | None
     enable_flashinfer_autotune: bool | None
     language_model_only: bool
@@ -103,6 +106,7 @@ class ResolvedEngine(_Frozen):
     structured_outputs_config: dict[str, Any] | None
     default_chat_template_kwargs: dict[str, Any] | None
     seed: int | None
+    shutdown_timeout: int  # seconds SIGTERM lets in-flight requests run
     extra: dict[str, Any]  # the profile's verbatim vLLM arguments, long-form names with `-`
     speculative: ResolvedSpeculative | None
     lora: ResolvedLora | None
@@ -172,7 +176,24 @@ def _speculative(profile: Profile, settings: Settings, models_dir: Path) -> Reso
         lookup_tokens=lookup_tokens,
         draft_sample_method=spec.draft_sample_method,
         drafter_dir=str((models_dir / drafter.dir).absolute()) if spec.uses_drafter and drafter else None,
+        attention_backend=spec.attention_backend,
     )
+
+
+def cudagraph_capture_limit(profile: Profile, max_num_seqs: int, speculative: ResolvedSpeculative | None) -> int | None:
+    """The largest CUDA graph worth capturing: every slot verifying its whole block at once.
+
+    vLLM 0.28.0 captures up to twice that (max_num_seqs x (1 + K) x 2); each size costs
+    capture time at every cold start and graph memory, and no decode step can use it. None
+    where the profile decides itself (its own sizes, eager, or no CUDA graphs at all).
+    """
+    own = profile.engine.compilation_config or {}
+    if profile.platform != "cuda" or profile.engine.enforce_eager:
+        return None
+    if {"cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode"} & set(own):
+        return None
+    width = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
+    return max_num_seqs * width
 
 
 def resolve(profile: Profile, settings: Settings) -> ResolvedEngine:
@@ -208,7 +229,9 @@ def resolve(profile: Profile, settings: Settings) -> ResolvedEngine:
         "lookup": settings.lookup,
         "verify_block": settings.verify_block,
         "enable_thinking": settings.enable_thinking,
+        "shutdown_timeout": settings.shutdown_timeout,
     }
+    max_num_seqs = settings.max_num_seqs or engine.max_num_seqs
     return ResolvedEngine(
         profile=profile.name,
         platform=profile.platform,
@@ -219,7 +242,7 @@ def resolve(profile: Profile, settings: Settings) -> ResolvedEngine:
         served_model_name=profile.served.base,
         dtype=engine.dtype,
         max_model_len=settings.max_model_len or engine.max_model_len,
-        max_num_seqs=settings.max_num_seqs or engine.max_num_seqs,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
         kv_cache_dtype=engine.kv_cache_dtype,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes or engine.kv_cache_memory_bytes,
@@ -230,6 +253,7 @@ def resolve(profile: Profile, settings: Settings) -> ResolvedEngine:
         attention_backend=engine.attention_backend,
         enforce_eager=engine.enforce_eager,
         compilation_config=engine.compilation_config,
+        cudagraph_capture_limit=cudagraph_capture_limit(profile, max_num_seqs, speculative),
         additional_config=engine.additional_config,
         enable_flashinfer_autotune=engine.enable_flashinfer_autotune,
         language_model_only=engine.language_model_only,
@@ -238,6 +262,7 @@ def resolve(profile: Profile, settings: Settings) -> ResolvedEngine:
         structured_outputs_config=engine.structured_outputs_config,
         default_chat_template_kwargs=template_kwargs or None,
         seed=engine.seed,
+        shutdown_timeout=settings.shutdown_timeout if settings.shutdown_timeout is not None else engine.shutdown_timeout,
         extra={key.replace("_", "-"): value for key, value in engine.extra.items()},
         speculative=speculative,
         lora=lora,

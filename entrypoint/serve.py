@@ -6,8 +6,9 @@ the first that fails (its `StackError`, one line). The engine is resolved once a
 step reads that one resolution: the planner plans exactly what the launch execs.
 
 Cheap refusals come first: conflicting knobs (`resolve`) and values the models cannot
-take (`check_plannable`) are refused before a file is hashed. The launch replaces this
-process with vLLM; the readiness gate runs in a forked watcher beside it.
+take (`check_plannable`) are refused before a file is hashed. The launch is a supervisor
+(`entrypoint.supervise`): vLLM runs as its child, the readiness gate beside it, and SIGTERM
+stops every engine process within the drain plus a fixed margin.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import argparse
 import time
 
 from entrypoint.errors import PlanError
-from entrypoint.launch import exec_engine, load, render_invocation, write_run_files
+from entrypoint.launch import load, render_invocation, write_run_files
 from entrypoint.model_configs import read_model_configs
 from entrypoint.plan import check_plannable, plan_engines
 from entrypoint.profiles import Profile
@@ -56,25 +57,28 @@ def run_preflight(profile: Profile, settings: Settings, resolved: ResolvedEngine
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from entrypoint import ready
+    from entrypoint.supervise import begin_start, check_interpreter, supervise
 
     profile, settings, key = load(args)
     resolved = resolve(profile, settings)
+    start = begin_start(profile, settings)  # run lock, leftovers of a killed start, old verdict gone
     invocation = render_invocation(profile, settings, key, resolved=resolved)
+    check_interpreter(invocation)
     identity = run_preflight(profile, settings, resolved)
     write_run_files(invocation)
-    gate = ready.Watcher(profile, settings, key, identity=identity)
+    gate = ready.Watcher(profile, settings, key, identity=identity, instance=start.instance)
     print(f"qwen38: serving profile {profile.name} ({', '.join(profile.model_ids)}) on {gate.base_url}", flush=True)
-    exec_engine(invocation, watcher=None if args.no_ready_gate else gate.run)
-    return 0  # not reached
+    return supervise(invocation, start, gate=None if args.no_ready_gate else gate.run)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser(
         "serve",
-        help="verify, plan, then exec vLLM for a profile (readiness gate in a watcher)",
+        help="verify, plan, then run vLLM for a profile under a supervisor (readiness gate, bounded stop)",
         description="Run the start-up flow: verify the pinned artifacts, plan memory, render the "
-        "invocation and exec vLLM, which becomes this process; a forked watcher runs the readiness "
-        "gate and stops the server if it fails.",
+        "invocation and run vLLM as a child this process supervises: it runs the readiness gate, "
+        "stops the server if the gate fails, and on SIGTERM stops every engine process within "
+        "the profile's drain plus a fixed margin.",
     )
     serve.add_argument("--profile", help="profile to serve (default: the PROFILE setting)")
     serve.add_argument("--no-ready-gate", action="store_true", help="do not run the readiness gate")

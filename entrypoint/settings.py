@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import io
 import ipaddress
 import json
 import os
 import re
+import stat
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +24,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from entrypoint.errors import SettingsError
-from entrypoint.profiles import PROFILES_DIR
+from entrypoint.profiles import MAX_SHUTDOWN_TIMEOUT_S, PROFILES_DIR, SHUTDOWN_MARGIN_S
 
 SECTIONS = {
     "serving": "What to serve and where",
@@ -74,7 +77,7 @@ class Settings(BaseSettings):
     vllm_api_key: SecretStr | None = _knob(
         None,
         "security",
-        "API key clients send as `Authorization: Bearer <key>`. Prefer API_KEY_FILE.",
+        "API key clients send as `Authorization: Bearer <key>` or `x-api-key: <key>`. Prefer API_KEY_FILE.",
         example="",
     )
     api_key_file: Path | None = _knob(
@@ -133,11 +136,55 @@ class Settings(BaseSettings):
     enable_thinking: bool | None = _knob(
         None, "overrides", "Server-wide default for the chat template's `enable_thinking`.", example=""
     )
+    shutdown_timeout: int | None = _knob(
+        None,
+        "overrides",
+        "Seconds SIGTERM lets in-flight requests finish before they are ended with an error event "
+        f"(0: at once). Every process is gone at most {SHUTDOWN_MARGIN_S} s after that.",
+        example="",
+        ge=0,
+        le=MAX_SHUTDOWN_TIMEOUT_S,
+    )
 
     ready_timeout: float = _knob(
         1800.0, "runtime", "Seconds the readiness gate waits for a first start (compile + graphs).", ge=10, le=86400
     )
     log_level: Literal["debug", "info", "warning", "error"] = _knob("info", "runtime", "Log level of vLLM and ours.")
+
+    watchdog_stall_timeout: float = _knob(
+        120.0,
+        "runtime",
+        "Watchdog: seconds with requests running and no engine progress (no token generated or prefilled, "
+        "no KV-cache change) before the server is declared stalled (0: off).",
+        ge=0,
+        le=3600,
+    )
+    watchdog_canary_interval: float = _knob(
+        60.0,
+        "runtime",
+        "Watchdog: seconds between canary requests (a 12-token greedy answer), sent only after a quiet poll "
+        "interval, never beside users' requests (0: off).",
+        ge=0,
+        le=86400,
+    )
+    watchdog_canary_timeout: float = _knob(
+        60.0, "runtime", "Watchdog: seconds a canary may take before it counts as failed.", ge=1, le=3600
+    )
+    watchdog_acceptance_floor: float = _knob(
+        1.5,
+        "runtime",
+        "Watchdog (speculative profiles): warn when the acceptance length (1 + accepted / drafts) over the "
+        "last 200 drafts falls below this (0: off). A warning only: the output stays exact, only slower.",
+        ge=0,
+        le=17,
+    )
+    watchdog_action: Literal["stop", "mark"] = _knob(
+        "stop",
+        "runtime",
+        "Watchdog: what a stall or a failed canary does. `stop`: mark the server unhealthy, stop the engine and "
+        "exit non-zero, so compose's `restart: unless-stopped` starts it again (Docker restarts on exit, not on "
+        "an unhealthy check); `mark`: only mark it unhealthy (`qwen38 ready --quick` fails) until it recovers.",
+    )
 
     image_rtx3090: str | None = _knob(
         None,
@@ -170,9 +217,18 @@ class Settings(BaseSettings):
     publish_address: str = _knob(
         "127.0.0.1",
         "compose",
-        "Host address the API port is published on (0.0.0.0: every interface; the API key guards /v1).",
+        "Host address the API port is published on (0.0.0.0: every interface; the API key guards every "
+        "route but /health and /ping).",
     )
     publish_port: int = _knob(18020, "compose", "Host port the API is published on.", ge=1, le=65535)
+    monitoring_address: str = _knob(
+        "127.0.0.1",
+        "compose",
+        "Host address Prometheus and Grafana (`--profile monitoring`) are published on. Neither asks for a "
+        "login to read the metrics: publish them beyond loopback only on a network you trust.",
+    )
+    prometheus_port: int = _knob(9090, "compose", "Host port of Prometheus (`--profile monitoring`).", ge=1, le=65535)
+    grafana_port: int = _knob(3000, "compose", "Host port of Grafana (`--profile monitoring`).", ge=1, le=65535)
 
     @field_validator("host")
     @classmethod
@@ -186,7 +242,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"not an IP address or host name: {value!r}") from None
         return value
 
-    @field_validator("publish_address")
+    @field_validator("publish_address", "monitoring_address")
     @classmethod
     def _valid_publish_address(cls, value: str) -> str:
         try:
@@ -262,9 +318,42 @@ def _describe(exc: ValidationError) -> str:
     return f"{_env_name(field)}={shown}: {msg}"
 
 
+def check_env_file(env_file: str | os.PathLike | None) -> None:
+    """Refuse a ``.env`` that python-dotenv would half-read: it skips a line it cannot parse
+    with only a warning, and a file that is not UTF-8 ends in a traceback."""
+    from dotenv.parser import parse_stream
+
+    if env_file is None:
+        return
+    path = Path(env_file)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot be read ({exc.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise SettingsError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); save the file as UTF-8"
+        ) from None
+    for binding in parse_stream(io.StringIO(text)):
+        if binding.error:
+            name = binding.original.string.split("=", 1)[0].strip()
+            # The value is never shown: it may be a key.
+            what = f"`{name}=...`" if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else "this line"
+            raise SettingsError(
+                f"{path}:{binding.original.line}: cannot parse {what}; write NAME=value, with any quote "
+                "closed on the same line"
+            )
+
+
 def load_settings(env_file: str | os.PathLike | None = ".env", **overrides: Any) -> Settings:
     """Read settings (explicit overrides > environment > .env > defaults); one-line errors."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    check_env_file(env_file)
     try:
         return Settings(_env_file=env_file, **overrides)
     except ValidationError as exc:
@@ -278,6 +367,33 @@ def load_settings_profile(settings: Settings):
     return load_profile(settings.profile, settings.profiles_dir)
 
 
+DOCKER_SECRETS_DIR = Path("/run/secrets")
+
+
+def check_key_file_mode(path: Path) -> None:
+    """Refuse a key file other users can write; warn when every user can read it.
+
+    Owner read/write and group read are fine. World-readable is only warned about: a Docker
+    secret from compose's ``file:`` keeps the host file's mode, and the server's non-root user
+    must read it (the host directory, secrets/, is what stays private); under /run/secrets
+    the container is the boundary, so no warning there.
+    """
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return  # reading it reports what is wrong
+    if mode & 0o022:
+        raise SettingsError(
+            f"API_KEY_FILE={path}: mode {mode:04o} lets other users replace the key; run `chmod go-w {path}`"
+        )
+    if mode & 0o004 and DOCKER_SECRETS_DIR not in path.absolute().parents:
+        print(
+            f"qwen38: settings: API_KEY_FILE={path} is readable by every user (mode {mode:04o}); "
+            f"run `chmod o-r {path}` unless a container's user must read it",
+            file=sys.stderr,
+        )
+
+
 def read_api_key(settings: Settings) -> SecretStr | None:
     """The configured API key, from VLLM_API_KEY or API_KEY_FILE (never printed)."""
     if settings.vllm_api_key is not None:
@@ -285,6 +401,7 @@ def read_api_key(settings: Settings) -> SecretStr | None:
         source = "VLLM_API_KEY"
     elif settings.api_key_file is not None:
         path = settings.api_key_file
+        check_key_file_mode(path)
         try:
             key = path.read_text(encoding="utf-8").strip()
         except FileNotFoundError:

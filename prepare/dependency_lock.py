@@ -55,8 +55,10 @@ class LockTarget:
     python_version: str
     arch: str
     glibc: tuple[int, int]
-    overrides: str | None = None
+    overrides: tuple[str, ...] = ()
     extra_index_urls: tuple[str, ...] = ()
+    extras: tuple[str, ...] = ()  # optional-dependency groups of pyproject.toml resolved too
+    seed: str | None = None  # the target whose pins a first resolution starts from
 
     @property
     def lock_path(self) -> Path:
@@ -105,8 +107,24 @@ TARGETS: dict[str, LockTarget] = {
             python_version="3.11",
             arch="x86_64",
             glibc=(2, 36),
-            overrides="cpu.overrides.txt",
+            overrides=("cpu-engine.overrides.txt", "cpu-image.overrides.txt"),
             extra_index_urls=(PYTORCH_CPU_INDEX,),
+        ),
+        # The development and test environment (`make setup`): the CPU image's engine plus the
+        # test, benchmark and lock tools, and the Triton the CUDA images ship (the split-KV and
+        # GDN kernel tests run it on CPU). Resolved from the CPU lock's pins, so every package
+        # the two share has the same version and hashes (a test holds them to it).
+        LockTarget(
+            name="dev-x86_64",
+            images=(),
+            inputs=("cpu.in", "dev.in"),
+            python_version="3.11",
+            arch="x86_64",
+            glibc=(2, 36),
+            overrides=("cpu-engine.overrides.txt",),
+            extra_index_urls=(PYTORCH_CPU_INDEX,),
+            extras=("test", "bench", "lock"),
+            seed="cpu-x86_64",
         ),
     )
 }
@@ -490,6 +508,8 @@ def uv_compile_argv(
     argv = [uv, "pip", "compile", "--quiet"]
     argv += [str(lock_dir / name) for name in target.inputs]
     argv.append("pyproject.toml")
+    for extra in target.extras:
+        argv += ["--extra", extra]
     argv += [
         "--python-version", target.python_version,
         "--python-platform", target.uv_platform,
@@ -497,8 +517,8 @@ def uv_compile_argv(
         "--custom-compile-command", f"{COMPILE_COMMAND} --target {target.name}",
         "--output-file", str(output),
     ]  # fmt: skip
-    if target.overrides:
-        argv += ["--override", str(lock_dir / target.overrides)]
+    for overrides in target.overrides:
+        argv += ["--override", str(lock_dir / overrides)]
     if extra_index:
         for url in target.extra_index_urls:
             argv += ["--extra-index-url", url]
@@ -532,8 +552,9 @@ def regenerate(
     staging = target.lock_path.with_name(f".{target.lock_path.name}.incomplete")
     # uv prefers the pins it finds in its output file: start from the current lock so that a
     # regeneration only moves what must move, unless asked to upgrade everything.
-    if target.lock_path.is_file() and not upgrade:
-        shutil.copyfile(target.lock_path, staging)
+    seed = target.lock_path if target.lock_path.is_file() else (TARGETS[target.seed].lock_path if target.seed else None)
+    if seed is not None and seed.is_file() and not upgrade:
+        shutil.copyfile(seed, staging)
     else:
         staging.unlink(missing_ok=True)
     argv = uv_compile_argv(target, uv, output=staging.relative_to(REPO), find_links=find_links, extra_index=extra_index)

@@ -170,7 +170,7 @@ def is_up_to_date(dst: Path, identity: DerivedIdentity) -> bool:
     if manifest.identity != identity:
         return False
     listed = {f.path: f.size for f in manifest.files}
-    present = {p.relative_to(dst).as_posix(): p.stat().st_size for p in content_files(dst)}
+    present = {p.relative_to(dst).as_posix(): p.stat().st_size if p.exists() else -1 for p in content_files(dst)}
     return listed == present
 
 

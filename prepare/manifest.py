@@ -174,7 +174,8 @@ def _is_content(relative: PurePosixPath) -> bool:
 
 
 def content_files(directory: Path | str) -> list[Path]:
-    """Files a manifest covers: every regular file except the manifest and hidden names.
+    """Files a manifest covers: every regular file except the manifest and hidden names, and
+    every symlink (a dangling one too: vLLM would try to load it, so it must not pass unseen).
 
     Hidden directories are not descended into (staging areas can be large).
     """
@@ -184,7 +185,8 @@ def content_files(directory: Path | str) -> list[Path]:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in files:
             path = Path(root, name)
-            if _is_content(PurePosixPath(path.relative_to(directory).as_posix())) and path.is_file():
+            is_file = path.is_file() or path.is_symlink()
+            if is_file and _is_content(PurePosixPath(path.relative_to(directory).as_posix())):
                 found.append(path)
     return sorted(found)
 

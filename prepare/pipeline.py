@@ -20,12 +20,16 @@ whose manifest has exactly the identity the step would write, or a tiny model di
 with a manifest, is left alone; so a second run does nothing (the compose ``prepare``
 service runs this on every ``up``). `qwen38 verify` then proves the content; when it finds
 altered bytes, ``--recheck`` hashes what is in place instead of trusting sizes, and fetches
-or rebuilds whatever does not match its manifest.
+or rebuilds whatever does not match its manifest (a missing or extra file included; the tiny
+models are generated again). One run at a time per MODELS_DIR (a lock): it first removes the
+``.<name>.<id>.incomplete`` staging directories a killed run left beside the ones it builds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import fcntl
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,8 +125,24 @@ def check_plan(steps: list[Step], lock: ArtifactLock, lock_path: Path | str) -> 
 # ----------------------------------------------------------------------------- running
 
 
-def _run_tiny(step: Step, models_dir: Path) -> bool:
-    if (step.directory / MANIFEST_NAME).is_file():
+def _tiny_is_current(directory: Path, recheck: bool) -> bool:
+    """A tiny model directory this generator wrote (with ``recheck``: every byte as listed)."""
+    from prepare.identity import GeneratedIdentity
+    from prepare.manifest import ManifestError, read_manifest
+    from prepare.tiny import GENERATOR_VERSION
+
+    try:
+        identity = read_manifest(directory).identity
+    except ManifestError:
+        return False
+    if not isinstance(identity, GeneratedIdentity) or identity.generator_version != str(GENERATOR_VERSION):
+        return False
+    return not recheck or _files_match(directory)
+
+
+def _run_tiny(step: Step, models_dir: Path, recheck: bool, tiny_slots: list[Step]) -> bool:
+    """Generate the tiny models unless every tiny slot of the profile is current."""
+    if all(_tiny_is_current(s.directory, recheck) for s in tiny_slots):
         return False
     from prepare.tiny import build_tiny_models
 
@@ -151,15 +171,17 @@ def _run_download(
 
 
 def _files_match(directory: Path) -> bool:
-    """Every file of ``directory`` hashes to what its manifest lists (``--recheck``)."""
+    """``directory`` holds exactly its manifest's files, each hashing as listed (``--recheck``)."""
     from prepare.hashing import hash_files
-    from prepare.manifest import ManifestError, read_manifest
+    from prepare.manifest import ManifestError, content_files, read_manifest
 
     try:
         manifest = read_manifest(directory)
     except ManifestError:
         return False
     paths = {entry.path: directory / entry.path for entry in manifest.files}
+    if {p.relative_to(directory).as_posix() for p in content_files(directory)} != set(paths):
+        return False  # a file missing, or one the manifest does not list
     try:
         found = hash_files(paths.values())
     except OSError:
@@ -192,7 +214,10 @@ def _derived_is_current(step: Step, profile: Profile, lock: ArtifactLock, lock_p
         return False
     if check_slot_identity(step.slot, slot, manifest, lock, step.directory / MANIFEST_NAME, lock_path):
         return False
-    present = {p.relative_to(step.directory).as_posix(): p.stat().st_size for p in content_files(step.directory)}
+    present = {
+        p.relative_to(step.directory).as_posix(): p.stat().st_size if p.exists() else -1  # -1: dangling link
+        for p in content_files(step.directory)
+    }
     return present == {f.path: f.size for f in manifest.files}
 
 
@@ -231,12 +256,45 @@ def prepare_profile(
     if any(step.artifact is not None for step in steps):
         lock = load_lock(lock_path)
         check_plan(steps, lock, lock_path)
+    with _one_preparer(models_dir):
+        return _run_steps(steps, profile, models_dir, lock, lock_path, endpoint, recheck, say)
+
+
+PREPARE_LOCK = ".qwen38-prepare.lock"
+
+
+@contextmanager
+def _one_preparer(models_dir: Path) -> Iterator[None]:
+    """One `prepare --profile` per MODELS_DIR; holding it, staging leftovers are provably stale."""
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with open(models_dir / PREPARE_LOCK, "a+b") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PrepareError(
+                f"{models_dir}: another `qwen38 prepare --profile` is running here; wait for it"
+            ) from None
+        yield
+
+
+def _remove_staging_leftovers(steps: list[Step], say: Callable[[str], None]) -> None:
+    """What a killed run left beside the directories it was building (``.<name>.<id>.incomplete``)."""
+    from prepare.atomic import remove_stale_staging
+
+    for parent in sorted({step.directory.parent for step in steps}):
+        for removed in remove_stale_staging(parent):
+            say(f"removed {removed}, left by an interrupted run")
+
+
+def _run_steps(steps, profile, models_dir, lock, lock_path, endpoint, recheck, say) -> list[Step]:
+    _remove_staging_leftovers(steps, say)
+    tiny_slots = [step for step in steps if step.action == "tiny"]
     done: list[Step] = []
     for step in steps:
         if step.action == "tiny":
-            if any(d.action == "tiny" for d in done):
-                continue  # one run of the generator writes every tiny slot
-            ran = _run_tiny(step, models_dir)
+            if step is not tiny_slots[0]:
+                continue  # one run of the generator writes (and one check covers) every tiny slot
+            ran = _run_tiny(step, models_dir, recheck, tiny_slots)
         elif step.action == "download":
             ran = _run_download(step, lock, lock_path, endpoint, recheck, say)  # type: ignore[arg-type]
         elif step.action == "requantize-int8":

@@ -15,9 +15,13 @@ BENCH_MODULES: tuple[str, ...] = (
     "entrypoint.bench.serving",
     "entrypoint.bench.startup",
     "entrypoint.bench.plan",
+    "entrypoint.bench.shutdown",
     "entrypoint.bench.verify",
     "entrypoint.bench.requantize",
     "entrypoint.bench.adapter",
+    "entrypoint.bench.fullscale",
+    "entrypoint.bench.roofline",
+    "entrypoint.bench.watchdog",
 )
 
 

@@ -53,7 +53,7 @@ def _log_tail(log: Path, lines: int = 5) -> str:
 
 
 def _stop(process: subprocess.Popen, timeout: float) -> float:
-    """SIGTERM the engine (serve exec'ed it: same pid); the whole group if it will not go."""
+    """SIGTERM `qwen38 serve` (it stops the engine it supervises); its whole group if it will not go."""
     start = time.perf_counter()
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
@@ -69,6 +69,15 @@ def _stop(process: subprocess.Popen, timeout: float) -> float:
     else:  # a worker outlived the engine: do not leave it behind
         os.killpg(process.pid, signal.SIGKILL)
     return time.perf_counter() - start
+
+
+def _verdict(status: Path, pid: int) -> dict[str, Any] | None:
+    """The gate's verdict written by the supervisor ``pid`` (not a previous start's)."""
+    try:
+        found = json.loads(status.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if found.get("pid") == pid else None
 
 
 def measure_start(
@@ -101,8 +110,9 @@ def measure_start(
                             health_s = elapsed
                     except httpx.HTTPError:
                         pass
-                if status.exists():
-                    verdict = json.loads(status.read_text())
+                found = _verdict(status, process.pid)
+                if found is not None:
+                    verdict = found
                     ready_s = time.perf_counter() - start
                     break
                 if process.poll() is not None:

@@ -1,8 +1,9 @@
 """`qwen38 validate`: validators usable against any running deployment.
 
-``apis`` proves the API surface for every model id; ``cache-isolation`` proves that
-prefix caching reuses blocks within an identity and never across base and adapter. Both
-print a table (or ``--json``) and exit non-zero when any check fails.
+``apis`` proves the API surface for every model id; ``clients`` drives the official
+`openai` and `anthropic` SDKs the way agent harnesses do; ``cache-isolation`` proves that
+prefix caching reuses blocks within an identity and never across base and adapter. Each
+prints a table (or ``--json``) and exits non-zero when any check fails.
 """
 
 from __future__ import annotations
@@ -62,6 +63,13 @@ def _cmd_apis(args: argparse.Namespace) -> int:
     return _finish(report, args.json)
 
 
+def _cmd_clients(args: argparse.Namespace) -> int:
+    from entrypoint.validate.clients import validate_clients
+
+    base_url, key = _target(args)
+    return _finish(validate_clients(base_url, key, args.model or None), args.json)
+
+
 def _cmd_cache(args: argparse.Namespace) -> int:
     from entrypoint.validate.cache_isolation import validate_cache_isolation
 
@@ -73,10 +81,13 @@ def _cmd_cache(args: argparse.Namespace) -> int:
             if response.status_code != 200:
                 raise ValidationFailed(f"/v1/models answered {response.status_code} (wrong or missing key?)")
             ids = [entry["id"] for entry in response.json()["data"]]
-            if len(ids) < 2:
-                raise SettingsError(f"/v1/models lists {ids}: name --base-model and --adapter-model")
-            base, adapter = base or ids[0], adapter or ids[1]
-        report = validate_cache_isolation(client, base, adapter, args.prefix_tokens)
+            if not ids:
+                raise SettingsError("/v1/models lists no model: name --base-model")
+            # One id served (no adapter): reuse within the base is what there is to check.
+            base = base or ids[0]
+            if adapter is None:
+                adapter = next((i for i in ids if i != base), None)
+        report = validate_cache_isolation(client, base, adapter or None, args.prefix_tokens)
     return _finish(report, args.json)
 
 
@@ -88,7 +99,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("validate", help="validate a running deployment (APIs, cache isolation)")
+    parser = subparsers.add_parser(
+        "validate", help="validate a running deployment (APIs, SDK clients, cache isolation)"
+    )
     validators = parser.add_subparsers(dest="validator", metavar="VALIDATOR", required=True)
 
     apis = validators.add_parser("apis", help="chat, completions, responses, messages, tools, errors")
@@ -96,10 +109,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     apis.add_argument("--model", action="append", help="model id to check (repeatable; default: all listed)")
     apis.set_defaults(func=_cmd_apis)
 
+    clients = validators.add_parser(
+        "clients", help="the openai and anthropic SDKs: chat, responses, messages, streams, tool loops, switches"
+    )
+    _common(clients)
+    clients.add_argument("--model", action="append", help="model id to check (repeatable; default: all listed)")
+    clients.set_defaults(func=_cmd_clients)
+
     cache = validators.add_parser("cache-isolation", help="prefix-cache reuse within, never across, identities")
     _common(cache)
     cache.add_argument("--base-model", help="base id (default: the first listed)")
-    cache.add_argument("--adapter-model", help="adapter id (default: the second listed)")
+    cache.add_argument(
+        "--adapter-model", help="adapter id (default: the second listed; '' or none listed: the base alone is checked)"
+    )
     cache.add_argument("--prefix-tokens", type=int, default=DEFAULT_PREFIX_TOKENS,
                        help="length of the shared prefix (clamped below the max context)")
     cache.set_defaults(func=_cmd_cache)

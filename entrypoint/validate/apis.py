@@ -10,7 +10,6 @@ Thinking is switched off per request so a real model answers in `content`.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -40,19 +39,7 @@ TOOL_PROMPT = "What is the weather in Paris? Use the tool."
 TOOL_MAX_TOKENS = 64
 
 
-def _run(report: Report, name: str, model: str, check: Callable[[], str]) -> None:
-    """Run one check; an exception or assertion becomes a failed row, not a crash."""
-    try:
-        detail = check()
-    except AssertionError as exc:
-        report.add(name, model, False, str(exc))
-    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
-        report.add(name, model, False, f"{type(exc).__name__}: {exc}"[:300])
-    else:
-        report.add(name, model, True, detail)
-
-
-def _tool_args_ok(arguments: Any) -> str:
+def tool_args_ok(arguments: Any) -> str:
     parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
     jsonschema.validate(parsed, TOOL_SCHEMA)
     return json.dumps(parsed, sort_keys=True)
@@ -143,7 +130,7 @@ def _tool_chat(client: StackClient, model: str) -> str:
     calls = client.post_json("/v1/chat/completions", body)["choices"][0]["message"].get("tool_calls") or []
     assert calls, "no tool_calls"
     assert calls[0]["function"]["name"] == TOOL_NAME, f"called {calls[0]['function']['name']!r}"
-    return _tool_args_ok(calls[0]["function"]["arguments"])
+    return tool_args_ok(calls[0]["function"]["arguments"])
 
 
 def _tool_responses(client: StackClient, model: str) -> str:
@@ -158,7 +145,7 @@ def _tool_responses(client: StackClient, model: str) -> str:
     calls = [item for item in output if item.get("type") == "function_call"]
     assert calls, f"no function_call in output types {[i.get('type') for i in output]}"
     assert calls[0]["name"] == TOOL_NAME, f"called {calls[0]['name']!r}"
-    return _tool_args_ok(calls[0]["arguments"])
+    return tool_args_ok(calls[0]["arguments"])
 
 
 def _tool_messages(client: StackClient, model: str) -> str:
@@ -173,7 +160,7 @@ def _tool_messages(client: StackClient, model: str) -> str:
     uses = [block for block in content if block.get("type") == "tool_use"]
     assert uses, f"no tool_use block in {[b.get('type') for b in content]}"
     assert uses[0]["name"] == TOOL_NAME, f"called {uses[0]['name']!r}"
-    return _tool_args_ok(uses[0]["input"])
+    return tool_args_ok(uses[0]["input"])
 
 
 # ---- error paths ------------------------------------------------------------------------
@@ -202,20 +189,20 @@ def validate_apis(client: StackClient, models: list[str] | None = None, *, has_k
             continue
         for label, call in (("chat", _chat), ("completions", _completions), ("responses", _responses),
                             ("messages", _messages)):
-            _run(report, label, model, lambda call=call: call(client, model, False))
-            _run(report, f"{label} stream", model, lambda call=call: call(client, model, True))
-        _run(report, "tool call chat", model, lambda: _tool_chat(client, model))
-        _run(report, "tool call responses", model, lambda: _tool_responses(client, model))
-        _run(report, "tool call messages", model, lambda: _tool_messages(client, model))
-        _run(report, "invalid parameters -> 400", model,
+            report.run(label, model, lambda call=call: call(client, model, False))
+            report.run(f"{label} stream", model, lambda call=call: call(client, model, True))
+        report.run("tool call chat", model, lambda: _tool_chat(client, model))
+        report.run("tool call responses", model, lambda: _tool_responses(client, model))
+        report.run("tool call messages", model, lambda: _tool_messages(client, model))
+        report.run("invalid parameters -> 400", model,
              lambda: _expect_status(client.post("/v1/chat/completions", _chat_body(model, temperature=-1)), 400))
         if has_key:
-            _run(report, "missing key -> 401", model,
+            report.run("missing key -> 401", model,
                  lambda: _expect_status(client.post("/v1/chat/completions", _chat_body(model), api_key=None), 401))
-            _run(report, "wrong key -> 401", model, lambda: _expect_status(
+            report.run("wrong key -> 401", model, lambda: _expect_status(
                 client.post("/v1/chat/completions", _chat_body(model), api_key="wrong-key-" + "x" * 16), 401))
         else:
             report.skip("missing/wrong key -> 401", model, "no API key given: cannot tell an open server from a bug")
-    _run(report, "unknown model -> 404", "qwen38-no-such-model",
+    report.run("unknown model -> 404", "qwen38-no-such-model",
          lambda: _expect_status(client.post("/v1/chat/completions", _chat_body("qwen38-no-such-model")), 404))
     return report

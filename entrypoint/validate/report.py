@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+import httpx
+
 Outcome = Literal["pass", "fail", "skip"]
+# What a failing check raises (besides what a validator adds): a failed row, not a crash.
+CHECK_ERRORS: tuple[type[BaseException], ...] = (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError)
 
 
 @dataclass
@@ -28,6 +33,18 @@ class Report:
         check = Check(name, model, "pass" if ok else "fail", detail, data)
         self.checks.append(check)
         return check
+
+    def run(self, name: str, model: str, check: Callable[[], str],
+            errors: tuple[type[BaseException], ...] = ()) -> Check:
+        """Run one check: its return value is the detail; an assertion or an expected
+        error (``CHECK_ERRORS`` + ``errors``) becomes a failed row."""
+        try:
+            detail = check()
+        except AssertionError as exc:
+            return self.add(name, model, False, str(exc))
+        except CHECK_ERRORS + errors as exc:
+            return self.add(name, model, False, f"{type(exc).__name__}: {exc}"[:300])
+        return self.add(name, model, True, detail)
 
     def skip(self, name: str, model: str, detail: str) -> None:
         self.checks.append(Check(name, model, "skip", detail))

@@ -27,7 +27,6 @@ pytestmark = pytest.mark.container
 GPU_PROFILES = ["single", "long", "spark-lora"]
 IMAGE_OF = {"single": "rtx3090", "long": "rtx3090", "spark-lora": "spark", "cpu": "cpu"}
 # Engine teardown after SIGTERM (engine-core processes exit, memory is freed): seconds.
-TEARDOWN_MARGIN_S = 15
 
 
 def seconds(duration: str) -> float:
@@ -113,8 +112,9 @@ def test_healthcheck_is_the_readiness_gate_and_waits_as_long_as_a_first_start(co
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_stop_grace_period_outlasts_the_servers_drain(configs, profile, tmp_path):
+    from entrypoint.drain import DRAIN_ENV
     from entrypoint.launch import render_invocation
-    from entrypoint.profiles import load_profile
+    from entrypoint.profiles import MAX_SHUTDOWN_TIMEOUT_S, SHUTDOWN_MARGIN_S, load_profile
     from entrypoint.settings import load_settings
 
     server = configs[profile]["services"][profile]
@@ -124,9 +124,11 @@ def test_stop_grace_period_outlasts_the_servers_drain(configs, profile, tmp_path
         from pydantic import SecretStr
 
         key = SecretStr("k" * 32)
-    engine = render_invocation(load_profile(profile), settings, key).config
-    drain = float(engine.get("shutdown-timeout", 0))
-    assert seconds(server["stop_grace_period"]) > drain + TEARDOWN_MARGIN_S
+    drain = float(render_invocation(load_profile(profile), settings, key).env[DRAIN_ENV])
+    # `qwen38 serve` kills what is left at drain + SHUTDOWN_MARGIN_S (entrypoint.supervise),
+    # also for the longest drain SHUTDOWN_TIMEOUT accepts: Docker's SIGKILL never comes first.
+    grace = seconds(server["stop_grace_period"])
+    assert grace > drain + SHUTDOWN_MARGIN_S and grace >= MAX_SHUTDOWN_TIMEOUT_S + SHUTDOWN_MARGIN_S + 10
     assert server.get("stop_signal", "SIGTERM") == "SIGTERM"
     assert server["init"] is False  # tini in the image is PID 1; a second init would wrap it
 
@@ -216,3 +218,116 @@ def test_pinned_compose_file_still_validates(tmp_path):
     pinned.write_text(pin_compose_image(COMPOSE_FILE.read_text(), IMAGES["cpu"], reference))
     config = compose_config("cpu", files=(pinned,), project_directory=tmp_path)
     assert config["services"]["cpu"]["image"] == reference
+
+
+# ---- the monitoring profiles (docs/monitoring.md) ----------------------------------------------
+
+MONITORING = ["prometheus", "grafana"]
+
+
+@pytest.fixture(scope="module")
+def monitored() -> dict[str, dict]:
+    return {profile: compose_config(profile, extra_profiles=("monitoring",)) for profile in PROFILES}
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_monitoring_starts_prometheus_and_grafana_beside_any_serving_profile(profile):
+    quiet = compose("--profile", profile, "--profile", "monitoring", "config", "-q")
+    assert quiet.returncode == 0, quiet.stderr
+    services = compose("--profile", profile, "--profile", "monitoring", "config", "--services")
+    assert sorted(services.stdout.split()) == sorted([profile, f"prepare-{profile}", *MONITORING])
+
+
+def test_monitoring_alone_starts_no_server_and_no_gpu_exporter():
+    services = compose("--profile", "monitoring", "config", "--services")
+    assert services.returncode == 0 and sorted(services.stdout.split()) == sorted(MONITORING)
+
+
+def test_prometheus_scrapes_every_server_by_one_alias_with_the_key_secret(monitored):
+    import yaml
+
+    config = yaml.safe_load((REPO / "docker" / "monitoring" / "prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "qwen38"]
+    (target,) = job["static_configs"][0]["targets"]
+    host, port = target.split(":")
+    for profile, rendered in monitored.items():
+        server = rendered["services"][profile]
+        assert host in server["networks"]["default"]["aliases"]
+        assert int(port) == int(server["environment"]["PORT"])
+        prometheus = rendered["services"]["prometheus"]
+        (secret,) = prometheus["secrets"]
+        assert secret == {"source": "api_key", "target": job["authorization"]["credentials_file"]}
+        assert rendered["secrets"]["api_key"]["file"] == str(REPO / "secrets" / "api_key")
+    assert job["authorization"]["type"] == "Bearer" and "credentials" not in job["authorization"]
+
+
+def test_monitoring_is_published_on_loopback_unless_asked(monitored):
+    for name, port in (("prometheus", 9090), ("grafana", 3000)):
+        (published,) = monitored["cpu"]["services"][name]["ports"]
+        assert (published["host_ip"], published["published"], published["target"]) == ("127.0.0.1", str(port), port)
+    moved = compose_config(
+        "cpu", extra_profiles=("monitoring",),
+        env={"MONITORING_ADDRESS": "0.0.0.0", "PROMETHEUS_PORT": "19090", "GRAFANA_PORT": "13000"},
+    )  # fmt: skip
+    assert [(p["host_ip"], p["published"]) for p in moved["services"]["prometheus"]["ports"]] == [("0.0.0.0", "19090")]
+    assert [(p["host_ip"], p["published"]) for p in moved["services"]["grafana"]["ports"]] == [("0.0.0.0", "13000")]
+    # the API's own address does not move them
+    api_moved = compose_config("cpu", extra_profiles=("monitoring",), env={"PUBLISH_ADDRESS": "0.0.0.0"})
+    assert api_moved["services"]["grafana"]["ports"][0]["host_ip"] == "127.0.0.1"
+
+
+def test_grafana_has_no_credential_in_a_file_and_anonymous_viewers_only(monitored):
+    grafana = monitored["cpu"]["services"]["grafana"]
+    environment = grafana["environment"]
+    assert environment["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    assert grafana["secrets"] == [{"source": "grafana_admin_password", "target": "/run/secrets/grafana_admin_password"}]
+    assert monitored["cpu"]["secrets"]["grafana_admin_password"]["file"] == str(REPO / "secrets" / "grafana_admin_password")
+    assert environment["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer" and environment["GF_USERS_ALLOW_SIGN_UP"] == "false"
+    assert not {k for k in environment if "PASSWORD" in k or "TOKEN" in k or "KEY" in k} - {
+        "GF_SECURITY_ADMIN_PASSWORD__FILE"
+    }
+
+
+def test_monitoring_mounts_exist_and_grafana_finds_the_dashboard_and_datasource(monitored):
+    import json
+
+    import yaml
+
+    from entrypoint.dashboard import DASHBOARD_PATH, DATASOURCE_UID
+
+    for name in MONITORING:
+        for mount in monitored["cpu"]["services"][name]["volumes"]:
+            if mount["type"] == "bind":
+                assert Path(mount["source"]).exists(), mount["source"]  # compose does not check bind sources
+                assert mount.get("read_only") is True
+    grafana = {m["target"]: Path(m["source"]) for m in monitored["cpu"]["services"]["grafana"]["volumes"] if m["type"] == "bind"}
+    provisioning = grafana["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert source["uid"] == DATASOURCE_UID and source["url"] == "http://prometheus:9090"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "qwen38.yml").read_text())["providers"]
+    assert grafana[provider["options"]["path"]] == DASHBOARD_PATH.parent
+    home = monitored["cpu"]["services"]["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert grafana[str(Path(home).parent)] / Path(home).name == DASHBOARD_PATH
+    assert json.loads(DASHBOARD_PATH.read_text())["uid"]
+
+
+def test_monitoring_images_are_pinned_by_digest(monitored):
+    images = {name: monitored["cpu"]["services"][name]["image"] for name in MONITORING}
+    gpu = compose_config("single", extra_profiles=("monitoring", "monitoring-gpu"))["services"]["gpu-metrics"]
+    images["gpu-metrics"] = gpu["image"]
+    for name, image in images.items():
+        assert PINNED_REFERENCE.fullmatch(image), (name, image)
+
+
+def test_the_gpu_exporter_is_its_own_profile_reserving_the_servers_gpu_and_publishing_nothing():
+    rendered = compose_config("single", extra_profiles=("monitoring", "monitoring-gpu"), env={"GPU_DEVICE": "2"})
+    exporter = rendered["services"]["gpu-metrics"]
+    (reservation,) = exporter["deploy"]["resources"]["reservations"]["devices"]
+    assert reservation == {"driver": "nvidia", "device_ids": ["2"], "capabilities": ["gpu"]}
+    assert rendered["services"]["single"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["2"]
+    assert "ports" not in exporter  # read by Prometheus on the compose network only
+    import yaml
+
+    config = yaml.safe_load((REPO / "docker" / "monitoring" / "prometheus.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "gpu"]
+    assert job["dns_sd_configs"][0]["names"] == ["gpu-metrics"]

@@ -18,7 +18,7 @@ import pytest
 from dockerfile_parse import DockerfileParser
 
 from entrypoint.images import IMAGES, ImageSpec, cuda_arch_list, locked_engine_version
-from prepare.dependency_lock import TARGETS
+from prepare.dependency_lock import TARGETS, parse_lock
 from tests.container.tools import DOCKERFILES, REPO, compose_config, tool
 
 pytestmark = pytest.mark.container
@@ -107,7 +107,8 @@ def dockerfile(request) -> Dockerfile:
 
 def test_every_image_has_its_dockerfile_and_back():
     assert sorted(p.name for p in DOCKERFILES) == sorted(SPEC_OF)
-    assert {spec.lock_target for spec in IMAGES.values()} == set(TARGETS)
+    # every lock with images is an image's (the development lock, dev-x86_64, has none)
+    assert {spec.lock_target for spec in IMAGES.values()} == {name for name, t in TARGETS.items() if t.images}
     for spec in IMAGES.values():
         assert TARGETS[spec.lock_target].images == (spec.dockerfile,)
 
@@ -227,17 +228,38 @@ def test_labels_record_engine_patch_set_arch_and_revision_from_build_args(docker
 
 
 @pytest.mark.parametrize("name", ["Dockerfile.rtx3090", "Dockerfile.spark"])
-def test_cuda_images_carry_the_jit_toolchain_and_flashinfer_settings(name):
-    runtime = load(REPO / "docker" / name).stages["runtime"]
+def test_cuda_images_take_the_jit_toolchain_from_the_lock_and_prove_it_in_the_build(name):
+    dockerfile = load(REPO / "docker" / name)
+    runtime = dockerfile.stages["runtime"]
     env = env_of(runtime)
     assert env["FLASHINFER_DISABLE_VERSION_CHECK"] == "1"  # cubin 0.6.13 beside python 0.6.16.post3
-    assert env["CUDA_HOME"] == "/usr/local/cuda"
     assert env["TORCH_CUDA_ARCH_LIST"] == env["FLASHINFER_CUDA_ARCH_LIST"] == "${CUDA_ARCH_LIST}"
+    # nvcc and the headers are the lock's wheels, laid out as a toolkit inside the venv the
+    # runtime copies whole; FlashInfer finds it through CUDA_HOME, users find nvcc on PATH.
+    assert "qwen38 toolchain link --cuda-home /opt/venv/cuda" in dockerfile.stages["builder"].run_text()
+    assert env["CUDA_HOME"] == "/opt/venv/cuda"
+    assert env["PATH"].split(":")[:2] == ["/opt/venv/bin", "/opt/venv/cuda/bin"]
+    assert "--from=builder /opt/venv /opt/venv" in runtime.values("COPY")
+    locked = parse_lock(TARGETS[dockerfile.spec.lock_target].lock_path.read_text())
+    for wheel in ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-runtime", "nvidia-curand",
+                  "nvidia-cuda-cccl"):
+        assert wheel in locked, wheel
+    # Nothing from NVIDIA's apt repository (unreachable where the project is built and tested).
+    text = dockerfile.path.read_text()
+    assert not re.search(r"\bcuda-[a-z-]+-\d+-\d+\b|libcurand-dev|cuda-keyring", text)
     run = runtime.run_text()
-    for package in ("cuda-nvcc-13-0", "cuda-cudart-dev-13-0", "libcurand-dev-13-0", "python3.12-dev", "g++"):
+    for package in ("python3.12-dev", "gcc", "g++", "tini"):
         assert package in run
-    # Missing curand headers only show as a silent ~5 % slowdown: the build refuses instead.
-    assert "test -f /usr/local/cuda/include/curand_kernel.h" in run
+    # Missing curand headers only show as a silent ~5 % slowdown: the build refuses instead, in the
+    # runtime stage, once CUDA_HOME is set and before the image drops root; then it builds the
+    # sampling kernels with that toolchain.
+    instructions = [kind for kind, _value in runtime.instructions]
+    (check_at,) = [i for i, (kind, value) in enumerate(runtime.instructions)
+                   if kind == "RUN" and value.startswith("qwen38 toolchain check")]
+    assert runtime.instructions[check_at][1].split() == ["qwen38", "toolchain", "check", "&&", "qwen38",
+                                                          "toolchain", "prebuild"]
+    env_at = max(i for i, kind in enumerate(instructions) if kind == "ENV")
+    assert env_at < check_at < instructions.index("USER")
 
 
 def test_cpu_image_gets_the_torchvision_standin_and_the_torch_index():

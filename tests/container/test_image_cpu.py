@@ -28,14 +28,23 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from entrypoint.images import IMAGES, build_args
-from tests.container.docker_daemon import DaemonUnavailable, PrivateDockerDaemon
+from tests.container.docker_daemon import PrivateDockerDaemon
 from tests.container.tools import COMPOSE_FILE, REPO, tool
+from tests.support.image_build import (
+    BOOKWORM_PYTHON,
+    Record,
+    build_image,
+    image_figures,
+    source_revision,
+    standin_base,
+    started_daemon,
+)
 
 pytestmark = [
     pytest.mark.container,
@@ -49,79 +58,24 @@ WORK = Path(os.environ.get("QWEN38_IMAGE_TEST_DIR", "/tmp/qwen38-image-test"))
 PUBLISH_PORT = int(os.environ.get("QWEN38_IMAGE_TEST_PORT", "18580"))
 WHEELS_PORT = PUBLISH_PORT + 1
 TAG = "qwen38-stack:cpu-imagetest"
-STANDIN_TAG = "qwen38-standin/bookworm-python:3.11"
 PROJECT = "qwen38-imagetest"
 UP_TIMEOUT_S = 900
 
 
-@dataclass
-class Record:
-    """What the run measured; written to WORK/result.json and printed."""
-
-    figures: dict[str, object] = field(default_factory=dict)
-
-    def add(self, **values: object) -> None:
-        self.figures.update(values)
-        (WORK / "result.json").write_text(json.dumps(self.figures, indent=2) + "\n")
-
-
 @pytest.fixture(scope="module")
 def record() -> Record:
-    WORK.mkdir(parents=True, exist_ok=True)
-    return Record()
+    return Record(WORK)
 
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[PrivateDockerDaemon]:
-    instance = PrivateDockerDaemon(WORK / "docker")
-    try:
-        instance.start()
-    except DaemonUnavailable as exc:
-        pytest.skip(str(exc))
-    try:
+    with started_daemon(WORK / "docker") as instance:
         yield instance
-    finally:
-        instance.stop()
-
-
-def _debian_mirror() -> str:
-    sources = Path("/etc/apt/sources.list.d/debian.sources")
-    if sources.is_file():
-        match = re.search(r"^URIs:\s*(\S+)", sources.read_text(), re.M)
-        if match:
-            return match.group(1)
-    return "http://deb.debian.org/debian"
 
 
 @pytest.fixture(scope="module")
 def base_image(daemon: PrivateDockerDaemon, record: Record) -> str:
-    wanted = os.environ.get("QWEN38_BASE_IMAGE")
-    if wanted:
-        return wanted
-    if daemon.docker("image", "inspect", STANDIN_TAG, check=False).returncode == 0:
-        return STANDIN_TAG
-    tar = WORK / "bookworm-python.tar"
-    if not tar.exists():
-        start = time.monotonic()
-        partial = tar.with_name(f".{tar.stem}.incomplete.tar")
-        subprocess.run(
-            [
-                "mmdebstrap",
-                "--variant=minbase",
-                "--format=tar",
-                "--include=python3,python3-venv,python3-dev,ca-certificates",
-                "bookworm",
-                str(partial),
-                _debian_mirror(),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=900,
-        )
-        partial.rename(tar)
-        record.add(standin_seconds=round(time.monotonic() - start, 1))
-    daemon.docker("import", str(tar), STANDIN_TAG, timeout=600)
-    return STANDIN_TAG
+    return os.environ.get("QWEN38_BASE_IMAGE") or standin_base(daemon, WORK, BOOKWORM_PYTHON, record)
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -148,67 +102,15 @@ def wheel_mirror() -> Iterator[dict[str, str]]:
         server.server_close()
 
 
-def _ca_bundle() -> str | None:
-    for candidate in (
-        os.environ.get("PIP_CERT"),
-        os.environ.get("REQUESTS_CA_BUNDLE"),
-        "/etc/ssl/certs/ca-certificates.crt",
-    ):
-        if candidate and Path(candidate).is_file():
-            return candidate
-    return None
-
-
-def _revision() -> str:
-    result = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return result.stdout.strip() if result.returncode == 0 else "0000000"
-
-
 @pytest.fixture(scope="module")
 def cpu_image(daemon: PrivateDockerDaemon, base_image: str, wheel_mirror: dict[str, str], record: Record) -> dict:
-    labels = build_args(IMAGES["cpu"], _revision())
-    argv = [
-        "build",
-        "--network=host",
-        "-f",
-        "docker/Dockerfile.cpu",
-        "-t",
-        TAG,
-        "--progress=plain",
-        "--build-arg",
-        f"BASE_IMAGE={base_image}",
-    ]
-    for key, value in {**labels, **wheel_mirror}.items():
-        argv += ["--build-arg", f"{key}={value}"]
-    bundle = _ca_bundle()
-    if bundle:
-        argv += ["--secret", f"id=pip_cert,src={bundle}"]
-    start = time.monotonic()
-    log = WORK / "build.log"
-    with log.open("w") as handle:
-        result = subprocess.run(
-            [
-                "/usr/bin/env",
-                *[f"{k}={v}" for k, v in daemon.env().items()],
-                os.environ.get("QWEN38_DOCKER_CLI", "/usr/bin/docker"),
-                *argv,
-                ".",
-            ],
-            cwd=REPO,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            timeout=3600,
-        )
-    assert result.returncode == 0, log.read_text()[-4000:]
+    labels = build_args(IMAGES["cpu"], source_revision())
+    seconds = build_image(
+        daemon, "docker/Dockerfile.cpu", TAG, {"BASE_IMAGE": base_image, **labels, **wheel_mirror}, WORK / "build.log"
+    )
+    figures = image_figures(daemon, TAG, base_image)
+    record.add(build_seconds=round(seconds, 1), **figures)
     inspect = json.loads(daemon.docker("image", "inspect", TAG).stdout)[0]
-    base = json.loads(daemon.docker("image", "inspect", base_image).stdout)[0]
-    layers = [
-        json.loads(line)
-        for line in daemon.docker("history", "--no-trunc", "--format", "{{json .}}", TAG).stdout.splitlines()
-    ]
-    venv = next((layer["Size"] for layer in layers if "/opt/venv /opt/venv" in layer["CreatedBy"]), None)
-    record.add(base_image_bytes=base["Size"], venv_layer=venv)
-    record.add(build_seconds=round(time.monotonic() - start, 1), image_bytes=inspect["Size"], base_image=base_image)
     return {"labels": labels, "inspect": inspect}
 
 

@@ -41,8 +41,9 @@ def compose(
     return subprocess.run([*argv, *args], env={**base, **(env or {})}, capture_output=True, text=True, timeout=120)
 
 
-def compose_config(profile: str, env: dict[str, str] | None = None, **kw) -> dict:
-    """``docker compose --profile P config`` as data (interpolated, merged, validated)."""
-    result = compose("--profile", profile, "config", "--format", "json", env=env, **kw)
+def compose_config(profile: str, env: dict[str, str] | None = None, extra_profiles: tuple[str, ...] = (), **kw) -> dict:
+    """``docker compose --profile P [--profile X ...] config`` as data (interpolated, merged, validated)."""
+    flags = [arg for name in (profile, *extra_profiles) for arg in ("--profile", name)]
+    result = compose(*flags, "config", "--format", "json", env=env, **kw)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)

@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
 # Stage the CUDA vLLM 0.28.0 payload on the lent GPU machine, where at most 64 MiB travels per
 # call (docs/gpu.md). Build the payload here first:
-#   ../shared/tools/gpu-payload.sh .device-payload      # part_00..part_05, 56 MiB each
-#   pip download --python-version 3.12 --only-binary=:all: -d .whl pytest pytest-timeout tomli-w
+#   ../shared/tools/gpu-payload.sh /tmp/payload       # part_00..part_05, 56 MiB each
+#   tests/gpu/pack_site.sh /tmp/payload .device-payload  # site_00..site_03: one xz'd site, 4 calls
+#   pip download --python-version 3.12 --only-binary=:all: -d .whl pytest pytest-timeout tomli-w py-spy
+# (the parts of gpu-payload.sh staged as they are work too: `install` takes either form)
 # Then, one call per part (each carries .device-payload/part_NN):
 #   tests/gpu/lent_machine.sh stage          copy this call's parts and wheels to /tmp
 #   tests/gpu/lent_machine.sh tools          pytest & co. into /tmp/qwen38-tools (kernel tests)
 #   tests/gpu/lent_machine.sh install        join the parts, unpack vLLM into /tmp/qwen38-site
 #   source <(tests/gpu/lent_machine.sh env)  PYTHONPATH for both
+# A tier run outlives the 10-minute call limit by running in a session of its own (setsid):
+#   tests/gpu/lent_machine.sh tier-start [FILES]   start `make gpu-test` in the background
+#   tests/gpu/lent_machine.sh tier-wait SECONDS    wait for it (at most SECONDS), then copy the
+#                                                  report, the logs and a sampler's record of
+#                                                  what ran when into $OUT
 set -euo pipefail
 STAGE=/tmp/qwen38-payload
 SITE=/tmp/qwen38-site
 TOOLS=/tmp/qwen38-tools
+TIER=/tmp/qwen38-tier
 
 case "${1:-}" in
   stage)
     mkdir -p "$STAGE"
     shopt -s nullglob
-    for f in .device-payload/part_* .whl/*.whl; do cp "$f" "$STAGE/"; done
+    for f in .device-payload/part_* .device-payload/site_* .whl/*.whl; do cp "$f" "$STAGE/"; done
     echo "staged: $(cd "$STAGE" && echo *)"
     ;;
   tools)
@@ -25,6 +33,12 @@ case "${1:-}" in
     ;;
   install)
     test -e "$SITE/vllm/__init__.py" && { echo "vLLM already unpacked in $SITE"; exit 0; }
+    if compgen -G "$STAGE/site_*" > /dev/null; then
+      mkdir -p "$SITE"
+      cat "$STAGE"/site_* | python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1])" "$SITE"
+      echo "vLLM $(PYTHONPATH=$SITE python3 -c 'import importlib.metadata as m; print(m.version("vllm"))') in $SITE"
+      exit 0
+    fi
     work=$(mktemp -d)
     cat "$STAGE"/part_* | tar -C "$work" -xf -
     python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \
@@ -36,8 +50,58 @@ case "${1:-}" in
   env)
     echo "export PYTHONPATH=$PWD:$SITE:$TOOLS"
     ;;
+  tier-start)
+    shift
+    mkdir -p "$TIER/cache"
+    rm -rf "$TIER/exit" "$TIER/repo"
+    # A copy of the checkout of its own: the next call's copy of the working tree may be
+    # rewritten while the tier's processes read it.
+    mkdir -p "$TIER/repo"
+    tar -C "$PWD" --exclude=./.device-payload --exclude=./.whl --exclude=./.git -cf - . | tar -C "$TIER/repo" -xf -
+    (cd "$TIER/repo" && setsid nohup tests/gpu/lent_machine.sh tier-run "$@" < /dev/null > "$TIER/tier.log" 2>&1 &)
+    setsid nohup "$0" tier-sample < /dev/null > /dev/null 2>&1 &
+    echo "tier started in the background: $TIER/tier.log"
+    ;;
+  tier-run)
+    shift
+    export PYTHONPATH="$PWD:$SITE:$TOOLS" PYTHONUNBUFFERED=1 QWEN38_GPU_REPORT="$TIER/report.json" \
+      QWEN38_GPU_CACHE_DIR="$TIER/cache" PYTHON=python3
+    code=0
+    tests/gpu/run_tier.sh "$@" || code=$?
+    echo "$code" > "$TIER/exit"
+    ;;
+  tier-sample)
+    # What is running, every 15 s: compilers (nvcc, ptxas, cicc: JIT builds) and GPU memory.
+    while [ ! -e "$TIER/exit" ]; do
+      { date -u +%T
+        pids=$(pgrep -d, -f "nvcc|ptxas|cicc|ninja|VLLM|EngineCore|pytest" || true)
+        if [ -n "$pids" ]; then ps -o etimes,pcpu,rss,args --sort=-pcpu -p "$pids" | cut -c1-200 | head -12; fi
+        nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+        # Where each engine process is, when py-spy came with the tools.
+        if [ -x "$TOOLS/bin/py-spy" ]; then
+          for pid in $(pgrep -f "VLLM::EngineCore" || true); do
+            "$TOOLS/bin/py-spy" dump --pid "$pid" 2>&1 | grep -v "^ *$" | head -25
+          done
+        fi
+        true  # errexit must not end the sampler when nothing matched
+      } >> "$TIER/sampler.log" 2>&1
+      sleep 15
+    done
+    ;;
+  tier-wait)
+    deadline=$(( $(date +%s) + ${2:?seconds} ))
+    while [ ! -e "$TIER/exit" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+    out=${OUT:-$TIER/out}; mkdir -p "$out"
+    cp "$TIER/report.json" "$out/" 2>/dev/null || true
+    tail -c 4000000 "$TIER/tier.log" > "$out/tier.log" 2>/dev/null || true
+    tail -c 2000000 "$TIER/sampler.log" > "$out/sampler.log" 2>/dev/null || true
+    find /tmp/pytest-of-*/ -name serve.log 2>/dev/null | tar -cJf "$out/serve-logs.tar.xz" -T - 2>/dev/null || true
+    du -sh "$TIER/cache" 2>/dev/null || true
+    if [ -e "$TIER/exit" ]; then echo "tier finished: exit $(cat "$TIER/exit")"; else echo "tier still running"; fi
+    tail -n 40 "$TIER/tier.log"
+    ;;
   *)
-    echo "usage: $0 stage|tools|install|env" >&2
+    echo "usage: $0 stage|tools|install|env|tier-start [FILES]|tier-wait SECONDS" >&2
     exit 2
     ;;
 esac

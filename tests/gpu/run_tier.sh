@@ -3,7 +3,9 @@
 # patches/series to that vLLM, prove delivery, print the versions, then run tests/gpu.
 # Without an NVIDIA GPU it says so and exits 0 (the CPU suite is `make test`).
 #   PYTHON   interpreter that imports vllm and torch (default: python3)
-#   QWEN38_GPU_REPORT  JSON file the tier adds its figures to (default: none)
+#   QWEN38_GPU_REPORT     the tier report (JSON; default docs/gpu/<date>-<gpu>-tier.json)
+#   QWEN38_GPU_CACHE_DIR  CACHE_DIR the profile servers share (default: a fresh temporary one);
+#                         keep it between runs on one machine, or carry it in, for warm starts
 # Arguments go to pytest instead of the default `tests/gpu` (e.g. one test file).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,5 +31,11 @@ print(f"gpu: {props.name}, sm_{props.major}{props.minor}, {props.total_memory / 
       f"vllm {md.version('vllm')}; flashinfer {md.version('flashinfer-python')}; python {platform.python_version()}")
 EOF
 "$PY" -m entrypoint.cli doctor --profile single || true  # a report (no 3090 here), not a gate
+if [[ -z "${QWEN38_GPU_REPORT:-}" ]]; then
+  gpu=$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0).split()[1].lower())')
+  QWEN38_GPU_REPORT="docs/gpu/$(date -u +%F)-$gpu-tier.json"
+  export QWEN38_GPU_REPORT
+fi
+echo "gpu-test: tier report $QWEN38_GPU_REPORT"
 (( $# )) || set -- tests/gpu
 exec "$PY" -m pytest -m gpu -p no:cacheprovider -rA --durations=0 -s "$@"

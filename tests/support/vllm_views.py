@@ -102,3 +102,22 @@ def vllm_views(tmp_path_factory) -> dict[str, Path]:
         "patched": series_tree(vllm_dir, root / "patched", patched=True),
         "pycache": root / "pycache",
     }
+
+
+def view_without(patch: str, dest: Path) -> Path:
+    """A patched view of the installed vLLM with ``patch`` left out; returns the ``vllm`` directory.
+
+    The installed tree is never touched: the file ``patch`` changes is a real file in the view
+    (so `qwen38 patches apply --vllm-dir` can repair it there), everything else a symlink."""
+    from entrypoint.patches import find_vllm_dir, series_tree
+
+    return series_tree(find_vllm_dir(), dest, patched=True, without=patch) / "vllm"
+
+
+def env_with_vllm_view(env: dict[str, str], view_vllm_dir: Path, pycache: Path) -> dict[str, str]:
+    """``env`` with the view's parent first on PYTHONPATH (its bytecode kept out of the tree)."""
+    return {
+        **env,
+        "PYTHONPATH": os.pathsep.join([str(view_vllm_dir.parent), env.get("PYTHONPATH", "")]),
+        "PYTHONPYCACHEPREFIX": str(pycache),
+    }

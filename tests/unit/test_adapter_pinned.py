@@ -28,7 +28,6 @@ from prepare.lock import pin_local_artifact
 from prepare.manifest import content_files, read_manifest, write_manifest
 from prepare.weight_formats import open_checkpoint
 from tests.pinning_support import make_settings
-from tests.support.identified import seal
 from tests.support.spark_like import quantize_like_spark, with_vl_names
 
 BASE_KEY = "qwen3.8-27b-nvfp4"

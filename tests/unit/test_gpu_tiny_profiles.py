@@ -22,8 +22,7 @@ def test_tiny_gpu_profile_keeps_the_engine_settings_and_vllm_parses_it(name, tmp
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     slots = dict(SLOTS, adapter="tiny/adapter") if name == "spark-lora" else SLOTS
-    hopper = {"attention_backend": "TRITON_ATTN"} if name == "spark-lora" else {}
-    data = derive(name, slots, extra_engine={"gpu_memory_utilization": 0.15, **hopper})
+    data = derive(name, slots, extra_engine={"gpu_memory_utilization": 0.15})
     directory = write_profiles(tmp_path / "profiles", {f"{name}-tiny": data})
     tiny, real = load_profile(f"{name}-tiny", directory), load_profile(name)
 
@@ -47,7 +46,28 @@ def test_tiny_gpu_profile_keeps_the_engine_settings_and_vllm_parses_it(name, tmp
     assert args.speculative_config["num_speculative_tokens"] == 7
     assert args.speculative_config["draft_sample_method"] == "probabilistic"
     assert args.additional_config == {"gdn_prefill_backend": "triton"}
+    # tool calls as the `cpu` profile serves the same tiny model (its hermes-style template)
+    assert args.tool_call_parser == load_profile("cpu").engine.tool_call_parser
+    assert inv.env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] == "0"
+    # The drafter's backend is the profile's, never a test-only override (docs/gpu.md).
+    assert args.speculative_config.get("attention_backend") == real.speculative.attention_backend
+    assert args.attention_backend is None
     if name == "spark-lora":
-        assert str(args.attention_backend).endswith("TRITON_ATTN")
+        assert args.speculative_config["attention_backend"] == "TRITON_ATTN"
         (module,) = args.lora_modules
         assert (module.name, module.path) == ("qwen3.8-27b-mode-b", str(tmp_path / "m" / "tiny" / "adapter"))
+
+
+def test_the_tier_writes_four_profiles_and_its_reference_serves_without_the_drafter(tmp_path):
+    from tests.gpu.test_profiles_gpu import KEYS, tier_profiles
+
+    directory = tier_profiles(tmp_path / "profiles")
+    assert sorted(p.stem for p in directory.glob("*.toml")) == sorted(KEYS.values())
+    settings = Settings(_env_file=None, profile="single-nospec-tiny", profiles_dir=directory,
+                        models_dir=tmp_path / "m", cache_dir=tmp_path / "cache")
+    plain = render_invocation(load_profile("single-nospec-tiny", directory), settings, KEY)
+    spec = render_invocation(load_profile("single-tiny", directory), settings.model_copy(update={"profile": "single-tiny"}), KEY)
+    assert "speculative-config" not in plain.config and spec.config["speculative-config"]["num_speculative_tokens"] == 7
+    # the same engine otherwise: the lossless comparison compares the drafter alone
+    same = {k: v for k, v in plain.config.items() if k != "compilation-config"}
+    assert same == {k: v for k, v in spec.config.items() if k not in ("speculative-config", "compilation-config")}

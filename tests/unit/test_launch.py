@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 
+from entrypoint.asgi import API_KEY_ENV, MIDDLEWARE_PATH
+from entrypoint.drain import DRAIN_ENV, ENGINE_GRACE_S
 from entrypoint.errors import SettingsError
 from entrypoint.launch import ENGINE_MODULE, compile_cache_key, render_invocation
 from entrypoint.profiles import load_profile, profile_names
@@ -45,7 +47,11 @@ def test_every_profile_renders_one_config_file_invocation(name):
         assert inv.env["CUDA_VISIBLE_DEVICES"] == "0"
         assert inv.env["FLASHINFER_DISABLE_VERSION_CHECK"] == "1"
     secret = KEY.get_secret_value()
-    assert inv.env["VLLM_API_KEY"] == secret
+    # The key reaches our guard (entrypoint.auth) only; vLLM's narrower check is never installed.
+    assert inv.env[API_KEY_ENV] == secret and "VLLM_API_KEY" not in inv.env
+    assert inv.config["middleware"] == [MIDDLEWARE_PATH]
+    assert inv.env[DRAIN_ENV] == str(profile.engine.shutdown_timeout)
+    assert inv.config["shutdown-timeout"] == profile.engine.shutdown_timeout + ENGINE_GRACE_S
     public = json.dumps(inv.public())
     assert secret not in public and secret not in " ".join(inv.argv) and secret not in inv.config_yaml()
 
@@ -61,7 +67,7 @@ def test_gpu_profiles_render_dflash2_depth_7_and_the_pinned_pool():
     assert inv.config["kv-cache-memory-bytes"] == 5_583_457_484
     assert inv.config["mamba-ssm-cache-dtype"] == "float16"
     assert inv.config["enable-flashinfer-autotune"] is False
-    assert "VLLM_API_KEY" not in inv.env
+    assert API_KEY_ENV not in inv.env and "VLLM_API_KEY" not in inv.env
 
 
 def test_spark_profile_serves_the_adapter_as_a_native_lora_module():
@@ -140,6 +146,8 @@ def test_vllms_own_parser_reads_the_rendered_config_as_intended(name, tmp_path):
     assert args.kv_cache_memory_bytes == profile.engine.kv_cache_memory_bytes
     assert args.enable_prompt_tokens_details is True
     assert args.api_key is None  # the key is in the environment only
+    assert args.middleware == [MIDDLEWARE_PATH]  # one --middleware flag, as vLLM's append action takes it
+    assert args.shutdown_timeout == profile.engine.shutdown_timeout + ENGINE_GRACE_S
     spec = profile.speculative if (profile.speculative and profile.speculative.enabled) else None
     if spec:
         assert args.speculative_config["num_speculative_tokens"] == spec.num_speculative_tokens
@@ -159,7 +167,7 @@ def test_render_json_on_the_cli_masks_the_key():
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert set(data) >= {"argv", "env", "config"}
-    assert data["env"]["VLLM_API_KEY"] == "********"
+    assert data["env"][API_KEY_ENV] == "********"
     assert secret not in result.stdout
 
 
@@ -229,3 +237,25 @@ def test_vllms_own_parser_accepts_the_lookup_speculative_config(tmp_path):
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(inv.argv[3:])
     assert args.speculative_config["lookup_tokens"] == 8
     assert args.speculative_config["num_speculative_tokens"] == 15
+
+
+def test_gpu_profiles_capture_cuda_graphs_only_up_to_a_full_verify_step():
+    """8 slots x (1 + 7) = 64 tokens for `single` (vLLM's default would capture to 128);
+    the wider lookup block and speculation off move it; CPU profiles capture nothing."""
+    def limit(name, **env):
+        inv = render_invocation(load_profile(name), settings(profile=name, **env), KEY)
+        return (inv.config.get("compilation-config") or {}).get("max_cudagraph_capture_size")
+
+    assert limit("single") == 64 and limit("long") == 32 and limit("spark-lora") == 32
+    assert limit("single", speculation=False) == 8
+    assert limit("single", max_num_seqs=4) == 32
+    assert limit("cpu") is None
+
+
+def test_the_drain_is_the_profiles_unless_overridden_and_vllm_drains_a_little_longer():
+    assert render_invocation(load_profile("single"), settings(profile="single"), KEY).env[DRAIN_ENV] == "20"
+    assert render_invocation(load_profile("cpu"), settings(), KEY).env[DRAIN_ENV] == "0"
+    inv = render_invocation(load_profile("cpu"), settings(shutdown_timeout=7), KEY)
+    assert inv.env[DRAIN_ENV] == "7" and inv.config["shutdown-timeout"] == 7 + ENGINE_GRACE_S
+    with pytest.raises(ValidationError):
+        settings(shutdown_timeout=31)  # past the bound that keeps the stop inside compose's grace period

@@ -218,6 +218,8 @@ def test_spark_lora_fits_its_16_gib_fp8_pool(seed_plans):
     plan = seed_plans[("spark-lora", None)]
     assert plan.fits and plan.max_model_len == 131072
     assert plan.serving.block_size % 16 == 0
+    # the drafter's layers are planned with the backend the profile pins for them
+    assert plan.serving.drafter_backend == "TRITON_ATTN"
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import pytest
 
 from entrypoint.cli import main
 from entrypoint.errors import ArtifactError, PrepareError
+from entrypoint.patches import read_series_names
 from entrypoint.profiles import load_profile
 from entrypoint.verify import VerifyFailed, verify_profile
 from prepare.artifact_lock import UNPINNED, LockedArtifact, LockedFile, load_lock, write_lock
@@ -20,7 +21,7 @@ from prepare.identity import DerivedIdentity
 from prepare.manifest import MANIFEST_NAME, read_manifest, write_manifest
 from prepare.pipeline import plan_profile, prepare_profile
 from prepare.requantize import TRANSFORM_VERSION, requantize_checkpoint
-from tests import tiny_qwen35
+from prepare.generate import generate_model
 from tests.pinning_support import (  # noqa: F401 (hf_isolated, hub, no_racy_window are fixtures)
     hf_isolated,
     hub,
@@ -34,7 +35,8 @@ TARGET_REPO, DRAFTER_REPO = "dbirks/Qwen3.8-27B-W4A16-AutoRound", "syvai/Qwen3.8
 TARGET_COMMIT, DRAFTER_COMMIT = "1" * 40, "2" * 40
 PREPARED = "prepared/qwen3.8-27b-w4a16-int8"
 REWRITTEN = "model-00003-of-00003.safetensors"  # holds lm_head: written fresh, not linked
-PATCHES_ONLY = "patches: profile single requires every patch of the series delivered, found incomplete"
+# Every patch of the series is missing from the stock engine.
+PATCHES_ONLY = f"patches: profile single runs the patched engine, but {len(read_series_names())} patches are not delivered in "
 
 
 def _files(directory: Path) -> dict[str, bytes]:
@@ -45,7 +47,8 @@ def _files(directory: Path) -> dict[str, bytes]:
 def upstream(tmp_path_factory) -> dict[str, dict[str, bytes]]:
     """What the two hub repos hold: a tiny W4A16 target in the real layout and a drafter."""
     root = tmp_path_factory.mktemp("upstream")
-    target = tiny_qwen35.build_w4a16_target(root / "target")
+    target = generate_model(root / "target", "tiny-vl", "qwen3.8-27b-w4a16")
+    (target / MANIFEST_NAME).unlink()  # what the hub repo holds: the files, no manifest of ours
     write_model_files(root / "drafter", seed=5)
     return {TARGET: _files(target), DRAFTER: _files(root / "drafter")}
 
@@ -159,7 +162,8 @@ def test_prepare_single_makes_what_verify_accepts_and_a_second_run_does_nothing(
     # The real profile requires the patch series too: that is the only thing it still lacks here.
     with pytest.raises(VerifyFailed) as exc:
         verify_profile(stack.profile, stack.settings, lock_path=stack.lock_path)
-    assert exc.value.report.problems == [PATCHES_ONLY]
+    (only,) = exc.value.report.problems
+    assert only.startswith(PATCHES_ONLY) and "`qwen38 patches apply --vllm-dir " in only
 
     before = _stamps(stack.models)
     stack.hub.requests.clear()
@@ -208,7 +212,7 @@ def test_a_target_requantized_from_unpinned_local_files_is_not_served(stack, ups
     assert any(
         p.endswith(
             "derives from local-v1 content that the lock does not pin; prepare it from the pinned download "
-            "with `qwen38 prepare --profile ...`"
+            "with `qwen38 prepare --profile single --recheck`"
         )
         for p in exc.value.report.problems
     )
@@ -279,7 +283,7 @@ def test_cli_prepare_profile_then_again_then_verify(stack, monkeypatch, capsys, 
     assert main(args) == 0
     assert capsys.readouterr().out.strip() == "profile single: every model directory is prepared"
     assert main(["verify", "--profile", "single", "--lock", str(stack.lock_path)]) == 2
-    assert capsys.readouterr().err.strip() == f"qwen38: verify: {PATCHES_ONLY}"
+    assert capsys.readouterr().err.strip().startswith(f"qwen38: verify: {PATCHES_ONLY}")
     assert (stack.models / PREPARED / MANIFEST_NAME).is_file()
 
 

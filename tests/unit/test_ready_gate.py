@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from entrypoint.launch import status_path
 from entrypoint.profiles import load_profile

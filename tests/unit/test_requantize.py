@@ -23,18 +23,20 @@ from entrypoint.errors import PrepareError
 from prepare.identity import ArtifactIdentity, DerivedIdentity, InputRef
 from prepare.manifest import MANIFEST_NAME, read_manifest, sha256_file, write_manifest
 from prepare.requantize import TRANSFORM_VERSION, requantize_checkpoint
-from tests import tiny_qwen35
+from prepare.generate import generate_model
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory) -> dict[str, Path]:
+    """The generator's tiny-vl targets, as a plain checkpoint (no manifest: a local directory)."""
     root = tmp_path_factory.mktemp("tiny")
-    return {
-        "bf16": tiny_qwen35.bf16_target(root / "bf16"),
-        "w4a16": tiny_qwen35.build_w4a16_target(root / "w4a16"),
-    }
+    out = {}
+    for kind in ("bf16", "w4a16"):
+        out[kind] = generate_model(root / kind, "tiny-vl", f"qwen3.8-27b-{kind}")
+        (out[kind] / MANIFEST_NAME).unlink()
+    return out
 
 
 def pinned_identity(key: str, revision: str) -> ArtifactIdentity:

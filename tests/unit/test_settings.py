@@ -139,3 +139,65 @@ def test_unknown_profile_on_the_cli_lists_the_known_ones():
 def test_paths_are_paths(monkeypatch):
     monkeypatch.setenv("MODELS_DIR", "/srv/models")
     assert load_settings(env_file=None).models_dir == Path("/srv/models")
+
+
+# ---- a .env python-dotenv would half-read -----------------------------------------------
+
+
+def test_an_unparsable_dotenv_line_is_an_error_naming_the_line_never_the_value(tmp_path):
+    (tmp_path / ".env").write_text('PROFILE=cpu\n# a comment\nPORT="19000\nMAX_NUM_SEQS=2\n')
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert str(info.value) == (
+        ".env:3: cannot parse `PORT=...`; write NAME=value, with any quote closed on the same line"
+    )
+    (tmp_path / ".env").write_text('VLLM_API_KEY="s3cret-unclosed\n')
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert "s3cret" not in str(info.value) and str(info.value).startswith(".env:1: cannot parse `VLLM_API_KEY=...`")
+
+
+def test_a_dotenv_that_is_not_utf8_is_one_line_on_the_cli(tmp_path):
+    (tmp_path / ".env").write_bytes(b"PROFILE=cpu\nHOST=caf\xe9\n")
+    result = run_cli("settings", "show", env=clean_env(), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr == "qwen38: settings: .env:2: not UTF-8 text (byte 0xe9); save the file as UTF-8\n"
+
+
+def test_a_garbage_dotenv_line_stops_serve_before_anything_starts(tmp_path):
+    (tmp_path / ".env").write_text('PORT="19000\n')
+    result = run_cli("serve", "--profile", "cpu", env=clean_env(), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == (
+        "qwen38: settings: .env:1: cannot parse `PORT=...`; write NAME=value, with any quote closed on the same line\n"
+    )
+
+
+# ---- key file permissions ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o620, 0o602])
+def test_a_key_file_other_users_can_write_is_refused(monkeypatch, tmp_path, mode):
+    path = tmp_path / "key"
+    path.write_text(KEY + "\n")
+    path.chmod(mode)
+    monkeypatch.setenv("API_KEY_FILE", str(path))
+    with pytest.raises(SettingsError) as info:
+        read_api_key(load_settings(env_file=None))
+    assert str(info.value) == (
+        f"API_KEY_FILE={path}: mode {mode:04o} lets other users replace the key; run `chmod go-w {path}`"
+    )
+
+
+def test_a_world_readable_key_file_is_read_with_a_warning_owner_and_group_read_silently(
+    monkeypatch, tmp_path, capsys
+):
+    path = tmp_path / "key"
+    path.write_text(KEY + "\n")
+    monkeypatch.setenv("API_KEY_FILE", str(path))
+    path.chmod(0o640)
+    assert read_api_key(load_settings(env_file=None)).get_secret_value() == KEY
+    assert capsys.readouterr().err == ""
+    path.chmod(0o644)
+    assert read_api_key(load_settings(env_file=None)).get_secret_value() == KEY
+    assert f"run `chmod o-r {path}`" in capsys.readouterr().err

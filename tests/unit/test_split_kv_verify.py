@@ -73,7 +73,7 @@ def test_reference_is_plain_softmax_attention_for_one_request():
         for h in range(2):
             scores = keys[: 5 + i + 1] @ batch.q[i, h].float() * 16**-0.5
             expected = torch.softmax(scores, 0) @ values[: 5 + i + 1]
-            torch.testing.assert_close(ref[i, h], expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ref.out[i, h], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_one_workspace_serves_any_context_and_writes_the_planned_splits(kernel):

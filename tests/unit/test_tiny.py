@@ -9,7 +9,7 @@ import pytest
 from safetensors import safe_open
 
 from entrypoint.errors import VerifyError
-from entrypoint.ready import CANARY_PROMPT, CANARY_TOKENS
+from entrypoint.canary import CANARY_PROMPT, CANARY_TOKENS
 from prepare.adapter import adapter_derivation, build_adapter, verify_adapter_binding
 from prepare.directions import read_directions
 from prepare.identity import input_ref

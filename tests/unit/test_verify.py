@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from entrypoint.cli import main
-from entrypoint.errors import PatchError
+from entrypoint.patches import read_series_names
 from entrypoint.verify import (
     STATUS_PATH,
     VerifyFailed,
@@ -218,6 +218,14 @@ def test_an_extra_file_fails_but_hidden_leftovers_do_not(tiny):
     assert "model-00003-of-00002.safetensors: not in the manifest (expected absent, found 5 bytes)" in _fail(tiny)
 
 
+def test_a_dangling_safetensors_symlink_fails_verify(tiny):
+    (tiny.dir / "model-00003-of-00003.safetensors").symlink_to(tiny.dir / "gone.safetensors")
+    assert (
+        f"{tiny.dir / 'model-00003-of-00003.safetensors'}: not in the manifest (expected absent, found a dangling "
+        f"symlink to {tiny.dir / 'gone.safetensors'})"
+    ) in _fail(tiny)
+
+
 def test_a_shard_the_index_references_but_the_manifest_omits_fails(tmp_path):
     settings = make_settings(tmp_path)
     d = settings.models_dir / "t"
@@ -242,14 +250,14 @@ def test_a_missing_manifest_fails_with_the_command_that_makes_it(tiny):
     (tiny.dir / MANIFEST_NAME).unlink()
     message = _fail(tiny)
     assert "missing (the directory was never completed and verified)" in message
-    assert "generate it with `qwen38 tiny`" in message
+    assert "generate it with `qwen38 prepare --profile test`" in message
 
 
 def test_a_missing_directory_fails(tiny):
     import shutil
 
     shutil.rmtree(tiny.dir)
-    assert _fail(tiny) == f"{tiny.dir}: missing (target of profile test); generate it with `qwen38 tiny`"
+    assert _fail(tiny) == f"{tiny.dir}: missing (target of profile test); generate it with `qwen38 prepare --profile test`"
 
 
 def test_a_generated_slot_with_another_identity_fails(tiny):
@@ -388,13 +396,21 @@ def test_a_patched_engine_enters_the_identity(tiny, no_racy_window, monkeypatch,
 def test_a_stock_engine_fails_a_profile_that_requires_the_patches(tiny, monkeypatch, vllm_views):
     _engine_at(monkeypatch, vllm_views["stock"])
     tiny.profile = make_profile({"target": {"dir": "tiny-target", "generated": "tiny"}}, require_patches=True)
-    assert "requires every patch of the series delivered, found incomplete" in _fail(tiny)
+    message = _fail(tiny)
+    count = len(read_series_names())
+    assert f"profile test runs the patched engine, but {count} patches are not delivered in" in message
+    assert message.endswith(f"apply the series with `qwen38 patches apply --vllm-dir {vllm_views['stock']}`")
 
 
 def test_a_stock_engine_is_recorded_for_a_profile_that_does_not(tiny, no_racy_window, monkeypatch, vllm_views):
     _engine_at(monkeypatch, vllm_views["stock"])
-    patches = _ok(tiny).engine.patches
+    report = _ok(tiny)
+    patches = report.engine.patches
     assert patches.status == "incomplete" and "0010-qwen3_5-quantized-embed-tokens.patch" in patches.detail["missing"]
+    # The identity says what is served, not the series this checkout ships.
+    numbers = "+".join(name.split("-", 1)[0] for name in read_series_names())
+    assert numbers.startswith("0010+0020+")
+    assert f";patches=incomplete-without-{numbers};" in report.identity
 
 
 def test_a_profile_requiring_patches_refuses_an_unknown_patch_set(tiny, monkeypatch):

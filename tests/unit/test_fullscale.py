@@ -1,0 +1,149 @@
+"""`qwen38 bench fullscale`'s pure parts: derived profiles, vLLM's log, the footprint arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from entrypoint.bench import fullscale as fs
+from entrypoint.errors import BenchError
+from entrypoint.profiles import Profile, load_profile
+from prepare.synthetic import MODEL_CONFIGS
+
+# Lines as vLLM 0.28.0 formats them (gpu_model_runner, gpu_worker, kv_cache_utils, core, monitor).
+LOG = """
+(EngineCore pid=77) INFO 12-01 10:00:01 [gpu_worker.py:502] Initial free memory 138.20 GiB, reserved 5.20 GiB memory for KV Cache as specified by kv_cache_memory_bytes config and skipped memory profiling.
+(EngineCore pid=77) INFO 12-01 10:00:00 [gpu_model_runner.py:5524] Model loading took 15.73 GiB memory and 41.250000 seconds
+(EngineCore pid=77) INFO 12-01 10:00:00 [gpu_model_runner.py:5524] Model loading took 1.11 GiB memory and 3.500000 seconds
+(EngineCore pid=77) INFO 12-01 10:01:00 [monitor.py:20] torch.compile took 45.20 s in total
+(EngineCore pid=77) INFO 12-01 10:02:00 [kv_cache_utils.py:1958] GPU KV cache size: 68,605 tokens, Maximum concurrency for 65,536 tokens per request: 1.05x
+(EngineCore pid=77) INFO 12-01 10:05:00 [model_runner.py:949] Graph capturing finished in 208 secs, took 1.25 GiB
+(EngineCore pid=77) INFO 12-01 10:05:01 [core.py:355] init engine (profile, create kv cache, warmup model) took 383.10 s
+"""
+
+TEXT = json.loads((MODEL_CONFIGS / "qwen3.8-27b-w4a16" / "config.json").read_text())["text_config"]
+
+
+def test_derived_profiles_change_only_the_model_origins_and_the_memory_cap():
+    for name in fs.PROFILES:
+        real = load_profile(name)
+        data = fs.derive_profile(name, cap_fraction=0.17 if name in fs.CAPPED else None)
+        derived = Profile.model_validate({"name": f"{name}-full", **data})
+        for slot in ("target", "drafter", "adapter"):
+            mine, theirs = getattr(derived.models, slot), getattr(real.models, slot)
+            assert (mine is None) == (theirs is None)
+            if mine is not None:
+                assert (mine.dir, mine.transform, mine.generated, mine.artifact) == (theirs.dir, theirs.transform, "tiny", None)
+        same = real.engine.model_dump(exclude={"additional_config", "gpu_memory_utilization"})
+        assert derived.engine.model_dump(exclude={"additional_config", "gpu_memory_utilization"}) == same
+        assert derived.speculative == real.speculative and derived.lora == real.lora and derived.served == real.served
+        if name in fs.CAPPED:
+            assert derived.engine.gpu_memory_utilization == 0.17
+            assert derived.env["PYTORCH_CUDA_ALLOC_CONF"] == "per_process_memory_fraction:0.1700"
+        else:
+            assert derived.engine.gpu_memory_utilization is None and "PYTORCH_CUDA_ALLOC_CONF" not in derived.env
+
+
+def test_the_profile_set_adds_references_without_speculation():
+    profiles = fs.profile_set(0.2)
+    assert sorted(profiles) == ["long-full", "long-nospec-full", "single-full", "single-nospec-full", "spark-lora-full"]
+    assert profiles["single-nospec-full"]["speculative"]["enabled"] is False
+    assert profiles["single-full"]["speculative"].get("enabled", True) is True
+
+
+def test_the_cap_is_a_headless_3090s_memory_as_a_fraction_of_this_gpu():
+    assert fs.cap_fraction_for(fs.HEADLESS_3090_BYTES * 4) == pytest.approx(0.25)
+    assert fs.cap_fraction_for(fs.HEADLESS_3090_BYTES // 2) == 1.0
+    with pytest.raises(BenchError, match="expected a positive figure"):
+        fs.cap_fraction_for(0)
+    with pytest.raises(BenchError, match=r"expected a value in \(0, 1\]"):
+        fs.derive_profile("single", cap_fraction=1.5)
+
+
+def test_the_engine_log_gives_weights_pool_graphs_and_times():
+    found = fs.parse_engine_log(LOG)
+    assert found["model_loading_gib"] == 15.73 and found["model_loading_all_gib"] == [15.73, 1.11]
+    assert found["kv_cache_tokens"] == 68605 and found["max_concurrency"] == 1.05
+    assert (found["graph_capture_s"], found["graph_capture_gib"]) == (208, 1.25)
+    assert found["torch_compile_s"] == 45.2 and found["init_engine_s"] == 383.1
+    assert (found["kv_reserved_gib"], found["initial_free_gib"]) == (5.2, 138.2)
+    assert fs.parse_engine_log("nothing here") == {}
+
+
+def test_kv_and_gdn_state_bytes_follow_the_model_config():
+    assert fs.attention_kv_bytes_per_token(TEXT, "auto") == 65536  # REFERENCE.md §1
+    assert fs.attention_kv_bytes_per_token(TEXT, "fp8_e4m3") == 32768
+    assert fs.attention_kv_bytes_per_token(TEXT, "int8_per_token_head") == 32768 + 16 * 4 * 2 * 4
+    # 48 GDN layers x (48 heads x 128 x 128 fp16 state + 10240 conv channels x 3 taps fp16)
+    assert fs.gdn_state_bytes_per_slot(TEXT) == 48 * (48 * 128 * 128 * 2 + 10240 * 3 * 2)
+    with pytest.raises(BenchError, match="no byte count"):
+        fs.attention_kv_bytes_per_token(TEXT, "int4_per_token_head")
+
+
+def test_the_footprint_leaves_what_vllm_does_not_name_as_the_residual():
+    log = fs.parse_engine_log(LOG)
+    fp = fs.footprint(log, peak_process=23 * fs.GIB, kv_pool=5_583_457_484, drafter=1_190_000_000, gdn_state=10)
+    assert fp.weights == int((15.73 + 1.11) * fs.GIB) and fp.cuda_graphs == int(1.25 * fs.GIB)
+    assert fp.residual == 23 * fs.GIB - fp.weights - 5_583_457_484 - fp.cuda_graphs
+    table = fp.to_dict()
+    assert table["kv_pool"]["bytes"] == 5_583_457_484 and table["of_weights_drafter"]["bytes"] == 1_190_000_000
+
+
+def test_the_peak_is_the_process_trees_sum_at_one_instant():
+    samples = fs.parse_smi_samples("1.0 10 1000\n1.0 11 500\n2.0 10 1200\n2.0 99 9000\nbad line\n3.0 11 100\n")
+    assert samples[0] == (1.0, 10, 1000 << 20)
+    assert fs.peak_of(samples, {10, 11}) == 1500 << 20  # 1.0: 1500 MiB beats 2.0: 1200 MiB (pid 99 not ours)
+
+
+def test_step_latency_and_prefill_speed():
+    assert fs.step_latency_ms(100.0, 4.0) == pytest.approx(40.0)
+    assert fs.prefill_tok_s(10240, 2.0) == 5120.0
+    with pytest.raises(BenchError):
+        fs.step_latency_ms(0.0, 1.0)
+    with pytest.raises(BenchError):
+        fs.prefill_tok_s(1024, 0.0)
+
+
+def test_without_cuda_the_allocator_cap_cannot_be_asked():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine answers the question (the GPU run records it)")
+    assert fs.allocator_cap_honoured(0.5) is None
+
+
+def test_generation_time_is_the_slower_of_drawing_and_writing_then_hashing():
+    by_kind = {"int4": 4_000_000_000, "normal": 1_000_000_000}
+    rates = {"int4": 100.0, "normal": 50.0, "const": 1000.0}
+    got = fs.generation_projection(by_kind, rates, cores=4, disk_write_mb_s=1000.0, sha256_mb_s=500.0)
+    assert got["draw_s"] == pytest.approx((40 + 20) / 4)  # 15 s on 4 cores
+    assert got["write_s"] == pytest.approx(5.0) and got["hash_s"] == pytest.approx(2.5)
+    assert got["projected_s"] == pytest.approx(15 + 2.5)
+
+
+def test_the_full_size_bytes_by_recipe_add_up_to_the_four_artifacts():
+    from prepare.synthetic import PRESETS, variant_tensors
+
+    full = PRESETS["full"]
+    total = sum(t.nbytes for v in full.variants for t in variant_tensors(full, v))
+    by_kind = fs.bytes_by_recipe("full")
+    assert sum(by_kind.values()) == total and by_kind["int4"] > by_kind["e2m1"] > 0
+
+
+def test_the_cpu_steps_run_at_small_size_and_write_their_results(tmp_path):
+    """The lent GPU's first four steps, dry-run here on the `small` preset."""
+    root = tmp_path / "run"
+    generated = fs.step_generate(root, "small", workers=1, disk_bytes=32 << 20)
+    assert generated["disk"]["write_mb_s"] > 0 and set(generated["generated"]["models"]) >= {
+        "qwen3.8-27b-w4a16", "qwen3.8-27b-nvfp4", "qwen3.8-27b-dflash2", "qwen3.8-27b-dflash2-w4a16"}
+    requantized = fs.step_requantize(root)
+    assert requantized["exit"] == 0 and requantized["peak_rss_bytes"] > 0
+    assert requantized["largest_tensor"]["name"].endswith(("embed_tokens.weight", "lm_head.weight"))
+    assert "fraction_of_disk_bound" in requantized
+    assert fs.step_adapter(root)["exit"] == 0
+    profiles = fs.step_profiles(root, total_bytes=4 * fs.HEADLESS_3090_BYTES)
+    assert profiles["cap_fraction"] == pytest.approx(0.25) and len(profiles["profiles"]) == 5
+    written = sorted(p.name for p in (root / fs.RESULTS).iterdir())
+    assert written == ["adapter.json", "generate.json", "profiles.json", "requantize.json"]
+    assert (root / "models" / "prepared" / "qwen3.8-27b-w4a16-int8" / "qwen38-manifest.json").exists()

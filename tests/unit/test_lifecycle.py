@@ -1,0 +1,260 @@
+"""A start owns its profile's run files and its processes: a second start refuses, a start
+after a killed one removes exactly that one's leftovers, and the supervisor stops an engine
+within its bound even when the engine ignores SIGTERM. The real server's lifecycle (kill -9,
+SIGTERM mid-stream, restart) is tests/integration/test_faults.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from entrypoint.errors import LaunchError
+from entrypoint.launch import run_dir, status_path
+from entrypoint.lifecycle import (
+    RunRecord,
+    engine_group,
+    process_start_time,
+    process_state,
+    processes_of_instance,
+    read_record,
+    record_path,
+)
+from entrypoint.profiles import load_profile
+from entrypoint.settings import Settings
+from entrypoint.supervise import begin_start
+from tests.conftest import REPO, free_port
+
+
+@pytest.fixture
+def settings(tmp_path) -> Settings:
+    return Settings(_env_file=None, cache_dir=tmp_path / "cache", port=free_port())
+
+
+def _sleeper(instance: str) -> subprocess.Popen:
+    env = {**os.environ, "QWEN38_INSTANCE": instance}
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+
+
+def _wait_gone(process: subprocess.Popen, timeout: float = 10) -> bool:
+    try:
+        process.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def test_a_start_kills_the_leftovers_of_the_recorded_instance_and_nothing_else(settings, capsys):
+    left, other = _sleeper("aaaa000011112222"), _sleeper("bbbb000011112222")
+    try:
+        RunRecord("cpu", "aaaa000011112222", 1, None, left.pid, None, "127.0.0.1:1").write(
+            record_path(run_dir(settings), "cpu")
+        )
+        start = begin_start(load_profile("cpu"), settings)
+        start.lock.release()
+        assert _wait_gone(left) and left.returncode == -signal.SIGKILL
+        assert other.poll() is None  # not ours: untouched
+        assert f"killed 1 processes left by a killed earlier start: {left.pid} (" in capsys.readouterr().err
+        assert not record_path(run_dir(settings), "cpu").exists()
+    finally:
+        for process in (left, other):
+            process.kill()
+            process.wait()
+
+
+def test_a_start_forgets_the_previous_verdict_before_anything_else(settings):
+    path = status_path(settings, "cpu")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"ready": True, "instance": "0" * 16}))
+    begin_start(load_profile("cpu"), settings).lock.release()
+    assert not path.exists()
+
+
+def test_a_second_start_for_the_same_profile_and_cache_refuses(settings):
+    first = begin_start(load_profile("cpu"), settings)
+    try:
+        RunRecord("cpu", first.instance, os.getpid(), None, os.getpid(), None, "x").write(first.record_path)
+        with pytest.raises(LaunchError, match=f"already being served from this CACHE_DIR \\(pid {os.getpid()}"):
+            begin_start(load_profile("cpu"), settings)
+    finally:
+        first.lock.release()
+    begin_start(load_profile("cpu"), settings).lock.release()  # the lock went with its holder
+
+
+def test_an_address_in_use_is_refused_before_verify_or_plan(settings):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", settings.port))
+        busy.listen()
+        with pytest.raises(LaunchError) as info:
+            begin_start(load_profile("cpu"), settings)
+    assert str(info.value) == (
+        f"127.0.0.1:{settings.port} is already in use by another process; stop it or set PORT to a free port"
+    )
+
+
+SUPERVISED = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    import entrypoint.supervise as supervise
+    from entrypoint.launch import Invocation
+    from entrypoint.profiles import load_profile
+    from entrypoint.settings import Settings
+
+    supervise.STOP_MARGIN_S = 2.0
+    settings = Settings(_env_file=None, cache_dir=Path(sys.argv[1]), port=int(sys.argv[2]))
+    start = supervise.begin_start(load_profile("cpu"), settings)
+    print(start.instance, flush=True)
+    engine = [sys.executable, "-c", sys.argv[3]]
+    invocation = Invocation(engine, {}, {"shutdown-timeout": 0}, Path("unused.yaml"), "k")
+    sys.exit(supervise.supervise(invocation, start))
+    """
+)
+
+# Stands in for an engine that hangs on SIGTERM, with a helper process in its group.
+STUBBORN_ENGINE = textwrap.dedent(
+    """
+    import os, signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.fork() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(300)
+    """
+)
+
+
+def test_an_engine_that_ignores_sigterm_is_killed_with_its_whole_group_at_the_bound(tmp_path):
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISED, str(tmp_path / "cache"), str(free_port()), STUBBORN_ENGINE],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    try:
+        instance = supervisor.stdout.readline().strip()
+        deadline = time.monotonic() + 30
+        while len(processes_of_instance(instance)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(processes_of_instance(instance)) == 2  # the engine and its helper
+        stopped = time.monotonic()
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=20) == 0
+        took = time.monotonic() - stopped
+        assert 2.0 <= took < 6.0, took  # the 2 s bound, then SIGKILL to the group
+        assert processes_of_instance(instance) == []
+        err = supervisor.stderr.read()
+        assert "did not exit within 2 s of the stop: killing its processes" in err
+        status = json.loads((tmp_path / "cache" / "run" / "cpu.status.json").read_text())
+        assert status["ready"] is False and status["error"] == "stopped (SIGTERM)"
+        assert not (tmp_path / "cache" / "run" / "cpu.run.json").exists()
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+        for pid in processes_of_instance(instance):
+            os.kill(pid, signal.SIGKILL)
+
+
+GATED = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    import entrypoint.supervise as supervise
+    from entrypoint.launch import Invocation
+    from entrypoint.profiles import load_profile
+    from entrypoint.ready import Watcher
+    from entrypoint.settings import Settings
+
+    settings = Settings(_env_file=None, cache_dir=Path(sys.argv[1]), port=int(sys.argv[2]), ready_timeout=10)
+    start = supervise.begin_start(load_profile("cpu"), settings)
+    engine = [sys.executable, "-c", "import time; time.sleep(300)"]  # never answers /health
+    invocation = Invocation(engine, {}, {}, Path("unused.yaml"), "k")
+    gate = Watcher(load_profile("cpu"), settings, None, instance=start.instance)
+    sys.exit(supervise.supervise(invocation, start, gate=gate.run))
+    """
+)
+
+
+def test_a_gate_that_cannot_pass_stops_the_supervised_engine_and_says_why(tmp_path):
+    supervisor = subprocess.run(
+        [sys.executable, "-c", GATED, str(tmp_path / "cache"), str(free_port())],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
+    )  # fmt: skip
+    assert supervisor.returncode == 1
+    assert "qwen38: the readiness gate failed: stopping the engine" in supervisor.stderr
+    status = json.loads((tmp_path / "cache" / "run" / "cpu.status.json").read_text())
+    assert status["ready"] is False and "did not answer 200 within 10 s" in status["error"]
+    assert not (tmp_path / "cache" / "run" / "cpu.run.json").exists()
+
+
+def test_when_serve_is_killed_its_reaper_ends_every_process_of_the_instance(tmp_path):
+    """What a parent-death signal cannot do: the engine core vLLM spawns (a new interpreter)
+    outlives the API server; the reaper, woken by its pipe closing, kills it too. The
+    "engine" leads its own process group, as the supervisor starts it, and its child carries
+    no readable mark (as vLLM's setproctitle leaves its engine core): the run record's group
+    finds it."""
+    instance = "cccc000011112222"
+    record = tmp_path / "cpu.run.json"
+    code = textwrap.dedent(
+        f"""
+        import os, subprocess, sys, time
+        from pathlib import Path
+        from entrypoint.lifecycle import RunRecord, process_start_time, start_reaper
+        start_reaper({instance!r}, Path({str(record)!r}))
+        env = {{**os.environ, "QWEN38_INSTANCE": {instance!r}}}
+        sleep = "import time; time.sleep(300)"
+        inner = ("import os, subprocess, sys, time; env = dict(os.environ); env.pop('QWEN38_INSTANCE'); "
+                 f"subprocess.Popen([sys.executable, '-c', {{sleep!r}}], env=env); time.sleep(300)")
+        engine = subprocess.Popen([sys.executable, "-c", inner], env=env, process_group=0)
+        RunRecord("cpu", {instance!r}, os.getpid(), process_start_time(os.getpid()), engine.pid,
+                  process_start_time(engine.pid), "127.0.0.1:1").write(Path({str(record)!r}))
+        print("started", flush=True)
+        time.sleep(300)
+        """
+    )
+    serve = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    engine = []
+    try:
+        assert serve.stdout.readline().strip() == "started"
+        run = read_record(record)
+        deadline = time.monotonic() + 20
+        while len(engine_group(run)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        engine = engine_group(run)
+        assert len(engine) == 2  # a spawned "engine" and its own child
+        assert processes_of_instance(instance) == [run.engine_pid]  # the child's mark is not readable
+        assert processes_of_instance(instance, run) == engine
+        serve.kill()  # SIGKILL: no cleanup code runs in it
+        serve.wait()
+        deadline = time.monotonic() + 10
+        while any(process_state(pid) not in (None, "Z") for pid in engine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid in engine if process_state(pid) not in (None, "Z")] == []
+    finally:
+        for pid in engine:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_reused_group_id_is_not_taken_for_the_engines_group(tmp_path):
+    """A live group leader whose start time is not the recorded engine's owns that group id
+    now: nothing of it is killed."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], process_group=0)
+    try:
+        stale = RunRecord("cpu", "dddd000011112222", 1, None, other.pid, 1, "127.0.0.1:1")
+        assert engine_group(stale) == []
+        assert processes_of_instance("dddd000011112222", stale) == []
+        assert engine_group(RunRecord("cpu", "dddd000011112222", 1, None, other.pid,
+                                      process_start_time(other.pid), "127.0.0.1:1")) == [other.pid]
+    finally:
+        other.kill()
+        other.wait()
