@@ -21,8 +21,8 @@ def test_plan_reads_its_profile_from_profiles_dir_and_records_the_model_info(tin
     mine = tmp_path / "profiles"
     mine.mkdir()
     text = (PROFILES_DIR / "cpu.toml").read_text()
-    assert "max_model_len = 4096" in text
-    (mine / "mine.toml").write_text(text.replace("max_model_len = 4096", "max_model_len = 2048"))
+    assert "max_model_len = 32768" in text
+    (mine / "mine.toml").write_text(text.replace("max_model_len = 32768", "max_model_len = 2048"))
     cache = tmp_path / "cache"
     env = clean_env(PROFILES_DIR=str(mine), MODELS_DIR=str(tiny_root), CACHE_DIR=str(cache))
     done = run_cli("plan", "--profile", "mine", "--json", "--no-compare", env=env, cwd=tmp_path, timeout=600)
