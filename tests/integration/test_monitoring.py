@@ -67,7 +67,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus_scraping_the_
     servers = [url.removeprefix("http://") for url in (cpu_server.base_url, cpu_spec_server.base_url)]
     config = scrape_config_for(servers, api_key_file, own=f"127.0.0.1:{port}")
     with running_prometheus(config, tmp_path, port) as url:
-        scraped = wait_for_scrapes(url, {"qwen38", "qwen38-without-key", "prometheus"})
+        scraped = wait_for_scrapes(url, {"qwen38", "qwen38-without-key", "prometheus"}, up={"qwen38"})
         by_job = {}
         for target in scraped:
             by_job.setdefault(target["labels"]["job"], []).append(target)
@@ -77,7 +77,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus_scraping_the_
         assert "gpu" not in {t["labels"]["job"] for t in targets(url)}  # no exporter: no target, none down
 
         _traffic(cpu_server, cpu_spec_server)
-        wait_for_scrapes(url, {"qwen38"})
+        wait_for_scrapes(url, {"qwen38"}, up={"qwen38"})
         import time
 
         time.sleep(3)  # a few more scrapes after the last request

@@ -50,7 +50,7 @@ def host_paths(config: dict, key_file: Path) -> dict:
     return config
 
 
-def scrape_config_for(targets: list[str], key_file: Path, own: str, interval: str = "1s") -> dict:
+def scrape_config_for(targets: list[str], key_file: Path, own: str, interval: str = "2s") -> dict:
     """The monitoring profile's config, scraping ``targets`` (host:port) with the key in ``key_file``.
 
     One job more than shipped, ``qwen38-without-key``: the same targets without the key, to
@@ -107,13 +107,17 @@ def targets(url: str) -> list[dict]:
     return httpx.get(f"{url}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
 
 
-def wait_for_scrapes(url: str, jobs: set[str], timeout: float = 60) -> list[dict]:
-    """Active targets, once every target of ``jobs`` has been scraped at least once."""
+def wait_for_scrapes(url: str, jobs: set[str], timeout: float = 60, *, up: set[str] = frozenset()) -> list[dict]:
+    """Active targets, once every target of ``jobs`` has been scraped at least once (and every
+    target of the jobs in ``up`` has been scraped successfully: on a busy 2-core machine one
+    scrape may time out, which says nothing about the key or the config)."""
     deadline = time.monotonic() + timeout
     while True:
         active = [t for t in targets(url) if t["labels"]["job"] in jobs]
-        if active and all(t["health"] != "unknown" for t in active) and {t["labels"]["job"] for t in active} == jobs:
-            return active
+        scraped = active and all(t["health"] != "unknown" for t in active)
+        if scraped and {t["labels"]["job"] for t in active} == jobs:
+            if all(t["health"] == "up" for t in active if t["labels"]["job"] in up):
+                return active
         if time.monotonic() > deadline:
             raise AssertionError(f"targets of {sorted(jobs)} not scraped within {timeout:.0f} s: {active}")
         time.sleep(0.5)
