@@ -371,8 +371,8 @@ def series_tree(
     ``without`` names a patch to leave out of a patched view (the files it touches stay at
     the state before it, so later patches of the same files are left out too).
 
-    Bytecode caches are not linked (run Python with PYTHONPYCACHEPREFIX or
-    PYTHONDONTWRITEBYTECODE, so the original tree is never written to).
+    Bytecode caches are not linked (run Python with PYTHONDONTWRITEBYTECODE, so the original
+    tree is never written to through the view's symlinks).
     """
     vllm_dir = Path(vllm_dir).resolve()
     dest = Path(dest)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -107,18 +109,39 @@ class Server:
         return json.loads((self.cache_dir / "run" / f"{self.profile}.status.json").read_text())
 
 
+_SESSION_PLANS: list[Path] = []
+
+
+def session_plans() -> Path:
+    """One plan cache for the session's servers (entries are keyed by everything a plan
+    depends on and written atomically, so servers of the same engine share an answer)."""
+    if not _SESSION_PLANS:
+        _SESSION_PLANS.append(Path(tempfile.mkdtemp(prefix="qwen38-test-plans-")))
+    return _SESSION_PLANS[0]
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    for directory in _SESSION_PLANS:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def launch_server(
     tmp: Path, models: Path, key_file: Path, profile: str = "cpu", cache_dir: Path | None = None, **settings: str
 ) -> Server:
     """`qwen38 serve --profile P` in its own process group; returns at once (see `wait_ready`).
 
     ``cache_dir`` (default ``tmp/cache``) may be shared by servers that run one after another:
-    a restart then reuses the plan and the compile caches.
+    a restart then reuses the plan and the compile caches. The default one gets its own run
+    files and compile caches but the session's plan cache (`session_plans`): a server whose
+    engine another test server planned already skips the planner, as a restart would.
 
     The watchdog's canary is off unless a test asks for it: its tokens would land in the
     counter deltas the tests read around their own requests."""
     port = free_port()
-    cache_dir = cache_dir or tmp / "cache"
+    if cache_dir is None:
+        cache_dir = tmp / "cache"
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        (cache_dir / "plan").symlink_to(session_plans(), target_is_directory=True)
     env = clean_env(
         MODELS_DIR=str(models), API_KEY_FILE=str(key_file), PORT=str(port), CACHE_DIR=str(cache_dir),
         **{"READY_TIMEOUT": "600", "WATCHDOG_CANARY_INTERVAL": "0", **settings},

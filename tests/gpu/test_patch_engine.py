@@ -41,7 +41,7 @@ def engine_script(tmp_path, body: str) -> str:
 def run_engine(vllm_views, view, script, model_dir, **env) -> tuple[dict | None, str]:
     code = f"import runpy, sys; sys.argv = ['e', {str(model_dir)!r}]; runpy.run_path({script!r}, run_name='__main__')"
     done = run_python(
-        code, vllm_views[view], vllm_views["pycache"], timeout=1500, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env
+        code, vllm_views[view], timeout=1500, VLLM_ENABLE_V1_MULTIPROCESSING="0", **env
     )
     logs = done.stdout + done.stderr
     return (last_json_line(done) if '{"' in done.stdout else None), logs

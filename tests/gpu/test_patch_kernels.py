@@ -28,7 +28,7 @@ def needs_cuda():
 
 
 def run(vllm_views, code: str, view: str = "patched") -> dict:
-    done = run_python(code, vllm_views[view], vllm_views["pycache"], timeout=900)
+    done = run_python(code, vllm_views[view], timeout=900)
     return last_json_line(done)
 
 

@@ -251,7 +251,7 @@ def view_env(tiny_root, api_key_file, tmp_path):
     view = view_without(REVERTED, tmp_path / "view")
     env = clean_env(MODELS_DIR=str(tiny_root), API_KEY_FILE=str(api_key_file), CACHE_DIR=str(tmp_path / "cache"),
                     PORT=str(free_port()))  # fmt: skip
-    return view, env_with_vllm_view(env, view, tmp_path / "pycache")
+    return view, env_with_vllm_view(env, view)
 
 
 def test_a_reverted_patch_stops_verify_and_serve_on_the_cpu_profile_until_it_is_applied(view_env, tmp_path):

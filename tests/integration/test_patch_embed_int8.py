@@ -61,7 +61,7 @@ def serve_and_answer(vllm_views, view: str, model_dir, tmp_path, mtp: bool = Fal
     code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path({str(script)!r}, run_name='__main__')"
     # In-process engine: the lambda given to apply_model needs no pickling.
     done = run_python(
-        code, vllm_views[view], vllm_views["pycache"], timeout=1200, VLLM_ENABLE_V1_MULTIPROCESSING="0"
+        code, vllm_views[view], timeout=1200, VLLM_ENABLE_V1_MULTIPROCESSING="0"
     )
     return {"done": done, "result": last_json_line(done) if '{"tokens"' in done.stdout else None}
 

@@ -53,24 +53,35 @@ def child_pythonpath(*first: Path | str) -> str:
     return os.pathsep.join(paths)
 
 
-def child_env(view: Path | None, pycache: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
+def _no_bytecode_writes(env: dict[str, str]) -> dict[str, str]:
+    """A child that reads the installed tree's bytecode but writes none.
+
+    The view's own directories have no ``__pycache__`` (not linked), so their modules compile
+    in memory; everything else (torch, transformers, most of vLLM) loads from the installed
+    ``.pyc`` files. A PYTHONPYCACHEPREFIX would hide those too: with writes off (this machine sets
+    PYTHONDONTWRITEBYTECODE) every child then compiled torch and vLLM from source, about
+    15 s more per child on the 2-core machine. Nothing is written, so the installed tree is
+    never touched through a view's symlinks."""
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def child_env(view: Path | None, **extra: str) -> dict[str, str]:
+    env = _no_bytecode_writes(dict(os.environ))
     env["PYTHONPATH"] = child_pythonpath(*([view] if view else []))
-    env["PYTHONPYCACHEPREFIX"] = str(pycache)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.update(extra)
     return env
 
 
-def run_python(
-    code: str, view: Path | None, pycache: Path, timeout: int = 900, **extra: str
-) -> subprocess.CompletedProcess:
+def run_python(code: str, view: Path | None, timeout: int = 900, **extra: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a child Python whose ``vllm`` is the given view."""
     return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        env=child_env(view, pycache, **extra),
+        env=child_env(view, **extra),
         timeout=timeout,
         check=False,
         cwd=REPO_ROOT,
@@ -90,7 +101,7 @@ def last_json_line(done: subprocess.CompletedProcess) -> dict:
 
 @pytest.fixture(scope="session")
 def vllm_views(tmp_path_factory) -> dict[str, Path]:
-    """{"stock": dir, "patched": dir, "pycache": dir} for the installed vLLM, or skip."""
+    """{"stock": dir, "patched": dir} for the installed vLLM, or skip."""
     from entrypoint.patches import find_vllm_dir, series_tree
 
     if importlib.util.find_spec("vllm") is None:
@@ -100,7 +111,6 @@ def vllm_views(tmp_path_factory) -> dict[str, Path]:
     return {
         "stock": series_tree(vllm_dir, root / "stock", patched=False),
         "patched": series_tree(vllm_dir, root / "patched", patched=True),
-        "pycache": root / "pycache",
     }
 
 
@@ -114,10 +124,8 @@ def view_without(patch: str, dest: Path) -> Path:
     return series_tree(find_vllm_dir(), dest, patched=True, without=patch) / "vllm"
 
 
-def env_with_vllm_view(env: dict[str, str], view_vllm_dir: Path, pycache: Path) -> dict[str, str]:
-    """``env`` with the view's parent first on PYTHONPATH (its bytecode kept out of the tree)."""
-    return {
-        **env,
-        "PYTHONPATH": os.pathsep.join([str(view_vllm_dir.parent), env.get("PYTHONPATH", "")]),
-        "PYTHONPYCACHEPREFIX": str(pycache),
-    }
+def env_with_vllm_view(env: dict[str, str], view_vllm_dir: Path) -> dict[str, str]:
+    """``env`` with the view's parent first on PYTHONPATH (no bytecode written through it)."""
+    env = _no_bytecode_writes(dict(env))
+    env["PYTHONPATH"] = os.pathsep.join([str(view_vllm_dir.parent), env.get("PYTHONPATH", "")])
+    return env

@@ -148,7 +148,7 @@ print(json.dumps({
 
 def test_proposer_fills_lookup_positions_and_makes_their_draft_probs_point_masses(vllm_views):
     """The V1 DFlash proposer's hook: history = committed + this step's accepted tokens."""
-    result = last_json_line(run_python(FILL_CHECK, vllm_views["patched"], vllm_views["pycache"]))
+    result = last_json_line(run_python(FILL_CHECK, vllm_views["patched"]))
     # Request 0: "1 2 3 4" (history + drafter) recurs, so lookup continues with 5 6.
     assert result["drafts"] == [[3, 4, 5, 6], [7, 7, 7, 7]]
     assert result["dtype"] == "torch.int32"

@@ -118,7 +118,7 @@ print(json.dumps(out))
 def probes(vllm_views) -> dict[str, dict]:
     views = ("patched", "stock")
     with ThreadPoolExecutor(len(views)) as pool:  # two child processes at once: half the wall time
-        done = pool.map(lambda view: run_python(PROBE, vllm_views[view], vllm_views["pycache"], timeout=600), views)
+        done = pool.map(lambda view: run_python(PROBE, vllm_views[view], timeout=600), views)
         return {view: last_json_line(result) for view, result in zip(views, done)}
 
 

@@ -27,11 +27,11 @@ print(json.dumps({{"7": hashes["7"], "9": hashes["9"]}}))
 
 
 def test_patched_compile_hash_differs_between_depths(vllm_views):
-    result = last_json_line(run_python(CHECK, vllm_views["patched"], vllm_views["pycache"], timeout=900))
+    result = last_json_line(run_python(CHECK, vllm_views["patched"], timeout=900))
     assert result["7"][0] == result["7"][1], "the hash must be stable for one depth"
     assert result["9"][0] != result["7"][0]
 
 
 def test_stock_compile_hash_ignores_the_depth(vllm_views):
-    result = last_json_line(run_python(CHECK, vllm_views["stock"], vllm_views["pycache"], timeout=900))
+    result = last_json_line(run_python(CHECK, vllm_views["stock"], timeout=900))
     assert result["9"][0] == result["7"][0]

@@ -108,7 +108,7 @@ print(json.dumps(results))
 
 
 def test_context_kv_weight_is_the_dequantized_kv_rows(vllm_views):
-    result = last_json_line(run_python(CHECK, vllm_views["patched"], vllm_views["pycache"], timeout=600))
+    result = last_json_line(run_python(CHECK, vllm_views["patched"], timeout=600))
     assert result == {
         "ct_sym": True,
         "ct_asym": True,
@@ -120,6 +120,6 @@ def test_context_kv_weight_is_the_dequantized_kv_rows(vllm_views):
 
 
 def test_stock_vllm_cannot_build_context_kv_from_a_quantized_layer(vllm_views):
-    result = last_json_line(run_python(CHECK, vllm_views["stock"], vllm_views["pycache"], timeout=600))
+    result = last_json_line(run_python(CHECK, vllm_views["stock"], timeout=600))
     assert result["ct_sym"] == "AttributeError" and result["gptq"] == "AttributeError"
     assert result["dense"] is True

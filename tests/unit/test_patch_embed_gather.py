@@ -47,7 +47,7 @@ print(json.dumps(results))
 
 
 def test_torch_gather_matches_compressed_tensors_dequantization(vllm_views):
-    done = run_python(CHECK, vllm_views["patched"], vllm_views["pycache"], timeout=600)
+    done = run_python(CHECK, vllm_views["patched"], timeout=600)
     result = last_json_line(done)
     assert result == {"8-128": True, "8-None": True, "4-128": True, "method_shape": [2, 2, 512]}
 
@@ -57,6 +57,5 @@ def test_stock_vllm_has_no_gather_without_triton(vllm_views):
         "from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors_embedding as c;"
         "import json; print(json.dumps({'has_torch_gather': hasattr(c, '_dequant_gather_torch')}))",
         vllm_views["stock"],
-        vllm_views["pycache"],
     )
     assert last_json_line(done) == {"has_torch_gather": False}

@@ -168,7 +168,7 @@ print(json.dumps({{
 
 @pytest.fixture(scope="module")
 def patched_backend(vllm_views) -> dict:
-    done = run_python(BUILDER, vllm_views["patched"], vllm_views["pycache"], timeout=900)
+    done = run_python(BUILDER, vllm_views["patched"], timeout=900)
     return last_json_line(done)
 
 
@@ -329,7 +329,7 @@ print(json.dumps({f"{d}/{l}": run(d, l) for d in ("auto", "int8_per_token_head")
 
 @pytest.fixture(scope="module")
 def forward_on_vs_off(vllm_views) -> tuple[dict, str]:
-    done = run_python(FORWARD, vllm_views["patched"], vllm_views["pycache"], timeout=900, TRITON_INTERPRET="1",
+    done = run_python(FORWARD, vllm_views["patched"], timeout=900, TRITON_INTERPRET="1",
                       VLLM_LOGGING_LEVEL="INFO")
     return last_json_line(done), done.stdout + done.stderr
 
