@@ -109,19 +109,22 @@ class Server:
         return json.loads((self.cache_dir / "run" / f"{self.profile}.status.json").read_text())
 
 
-_SESSION_PLANS: list[Path] = []
+_SESSION_CACHE: list[Path] = []
+# What the session's servers share of a CACHE_DIR: plans, and vLLM's per-engine caches, where
+# the planner leaves the model information the engine would otherwise inspect in a second
+# Python (entries of both are keyed by what they depend on and written atomically).
+SHARED_CACHE_PARTS = ("plan", "vllm")
 
 
-def session_plans() -> Path:
-    """One plan cache for the session's servers (entries are keyed by everything a plan
-    depends on and written atomically, so servers of the same engine share an answer)."""
-    if not _SESSION_PLANS:
-        _SESSION_PLANS.append(Path(tempfile.mkdtemp(prefix="qwen38-test-plans-")))
-    return _SESSION_PLANS[0]
+def session_cache() -> Path:
+    """The shared parts of the session's server caches (see `SHARED_CACHE_PARTS`)."""
+    if not _SESSION_CACHE:
+        _SESSION_CACHE.append(Path(tempfile.mkdtemp(prefix="qwen38-test-cache-")))
+    return _SESSION_CACHE[0]
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    for directory in _SESSION_PLANS:
+    for directory in _SESSION_CACHE:
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -131,9 +134,9 @@ def launch_server(
     """`qwen38 serve --profile P` in its own process group; returns at once (see `wait_ready`).
 
     ``cache_dir`` (default ``tmp/cache``) may be shared by servers that run one after another:
-    a restart then reuses the plan and the compile caches. The default one gets its own run
-    files and compile caches but the session's plan cache (`session_plans`): a server whose
-    engine another test server planned already skips the planner, as a restart would.
+    a restart then reuses the plan and the compile caches. The default one has run files of
+    its own but shares plans and vLLM's caches with the session's other servers
+    (`session_cache`): a server whose engine another one planned starts as a restart would.
 
     The watchdog's canary is off unless a test asks for it: its tokens would land in the
     counter deltas the tests read around their own requests."""
@@ -141,7 +144,9 @@ def launch_server(
     if cache_dir is None:
         cache_dir = tmp / "cache"
         cache_dir.mkdir(parents=True, exist_ok=True)
-        (cache_dir / "plan").symlink_to(session_plans(), target_is_directory=True)
+        for part in SHARED_CACHE_PARTS:
+            (session_cache() / part).mkdir(exist_ok=True)
+            (cache_dir / part).symlink_to(session_cache() / part, target_is_directory=True)
     env = clean_env(
         MODELS_DIR=str(models), API_KEY_FILE=str(key_file), PORT=str(port), CACHE_DIR=str(cache_dir),
         **{"READY_TIMEOUT": "600", "WATCHDOG_CANARY_INTERVAL": "0", **settings},
