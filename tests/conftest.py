@@ -217,30 +217,62 @@ def stop_server(server: Server) -> None:
             server.process.wait()
 
 
+# The session's `cpu` servers, by fixture name: settings over the profile's defaults.
+SESSION_SERVERS = {
+    "cpu_server": {},
+    "cpu_spec_server": {"SPECULATION": "true", "PREFIX_CACHING": "false"},
+    "cpu_lookup_server": {"SPECULATION": "true", "PREFIX_CACHING": "false", "LOOKUP": "true"},
+}
+
+
+class SessionServers:
+    """Starts the session's servers side by side: the first one a test asks for starts
+    every other one the session's tests will ask for too, so their starts (mostly Python
+    importing vLLM in three processes each, one core apiece) overlap on a 2-core machine
+    instead of queueing one after the other. Each is still gated before it is handed out."""
+
+    def __init__(self, factory, models: Path, key_file: Path, wanted: set[str]):
+        self.factory, self.models, self.key_file, self.wanted = factory, models, key_file, wanted
+        self.launched: dict[str, Server] = {}
+        self.ready: dict[str, Server] = {}
+
+    def get(self, name: str) -> Server:
+        if name not in self.ready:
+            for other in [name, *sorted(self.wanted - {name})]:
+                if other not in self.launched:
+                    tmp = self.factory.mktemp(other.replace("_", "-"))
+                    self.launched[other] = launch_server(tmp, self.models, self.key_file, "cpu",
+                                                         **SESSION_SERVERS[other])
+            self.ready[name] = wait_ready(self.launched[name])
+        return self.ready[name]
+
+    def stop(self) -> None:
+        for server in self.launched.values():
+            stop_server(server)
+
+
 @pytest.fixture(scope="session")
-def cpu_server(tmp_path_factory, tiny_root, api_key_file) -> Iterator[Server]:
+def session_servers(request, tmp_path_factory, tiny_root, api_key_file) -> Iterator[SessionServers]:
+    wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())
+              if name in SESSION_SERVERS}
+    servers = SessionServers(tmp_path_factory, tiny_root, api_key_file, wanted)
+    yield servers
+    servers.stop()
+
+
+@pytest.fixture(scope="session")
+def cpu_server(session_servers) -> Server:
     """The `cpu` profile as users run it: LoRA second id, prefix caching, API key."""
-    server = start_cpu_server(tmp_path_factory.mktemp("cpu-server"), tiny_root, api_key_file)
-    yield server
-    stop_server(server)
+    return session_servers.get("cpu_server")
 
 
 @pytest.fixture(scope="session")
-def cpu_spec_server(tmp_path_factory, tiny_root, api_key_file) -> Iterator[Server]:
+def cpu_spec_server(session_servers) -> Server:
     """The `cpu` profile with the DFlash drafter on (and prefix caching off, see cpu.toml)."""
-    server = start_cpu_server(
-        tmp_path_factory.mktemp("cpu-spec-server"), tiny_root, api_key_file, SPECULATION="true", PREFIX_CACHING="false"
-    )
-    yield server
-    stop_server(server)
+    return session_servers.get("cpu_spec_server")
 
 
 @pytest.fixture(scope="session")
-def cpu_lookup_server(tmp_path_factory, tiny_root, api_key_file) -> Iterator[Server]:
+def cpu_lookup_server(session_servers) -> Server:
     """`cpu_spec_server` with lookup drafting on (patch 0070): verify block 16 = 1 + 4 + 11."""
-    server = start_cpu_server(
-        tmp_path_factory.mktemp("cpu-lookup-server"), tiny_root, api_key_file, SPECULATION="true",
-        PREFIX_CACHING="false", LOOKUP="true",
-    )
-    yield server
-    stop_server(server)
+    return session_servers.get("cpu_lookup_server")
