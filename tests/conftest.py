@@ -226,23 +226,24 @@ SESSION_SERVERS = {
 
 
 class SessionServers:
-    """Starts the session's servers side by side: the first one a test asks for starts
-    every other one the session's tests will ask for too, so their starts (mostly Python
-    importing vLLM in three processes each, one core apiece) overlap on a 2-core machine
-    instead of queueing one after the other. Each is still gated before it is handed out."""
+    """The session's servers, launched side by side when the session starts (only those its
+    tests ask for): their starts, mostly Python importing vLLM in three processes each, then
+    overlap with each other and with the tests that run first, instead of queueing one after
+    the other on a 2-core machine. Each is gated before it is handed out."""
 
-    def __init__(self, factory, models: Path, key_file: Path, wanted: set[str]):
-        self.factory, self.models, self.key_file, self.wanted = factory, models, key_file, wanted
+    def __init__(self, factory, models: Path, key_file: Path):
+        self.factory, self.models, self.key_file = factory, models, key_file
         self.launched: dict[str, Server] = {}
         self.ready: dict[str, Server] = {}
 
+    def launch(self, name: str) -> None:
+        if name not in self.launched:
+            tmp = self.factory.mktemp(name.replace("_", "-"))
+            self.launched[name] = launch_server(tmp, self.models, self.key_file, "cpu", **SESSION_SERVERS[name])
+
     def get(self, name: str) -> Server:
         if name not in self.ready:
-            for other in [name, *sorted(self.wanted - {name})]:
-                if other not in self.launched:
-                    tmp = self.factory.mktemp(other.replace("_", "-"))
-                    self.launched[other] = launch_server(tmp, self.models, self.key_file, "cpu",
-                                                         **SESSION_SERVERS[other])
+            self.launch(name)
             self.ready[name] = wait_ready(self.launched[name])
         return self.ready[name]
 
@@ -251,11 +252,18 @@ class SessionServers:
             stop_server(server)
 
 
-@pytest.fixture(scope="session")
-def session_servers(request, tmp_path_factory, tiny_root, api_key_file) -> Iterator[SessionServers]:
-    wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())
-              if name in SESSION_SERVERS}
-    servers = SessionServers(tmp_path_factory, tiny_root, api_key_file, wanted)
+@pytest.fixture(scope="session", autouse=True)
+def session_servers(request, tmp_path_factory) -> Iterator[SessionServers | None]:
+    wanted = sorted({name for item in request.session.items for name in getattr(item, "fixturenames", ())
+                     if name in SESSION_SERVERS})
+    if not wanted:  # no test of this session serves: nothing generated, nothing started
+        yield None
+        return
+    servers = SessionServers(
+        tmp_path_factory, request.getfixturevalue("tiny_root"), request.getfixturevalue("api_key_file")
+    )
+    for name in wanted:
+        servers.launch(name)
     yield servers
     servers.stop()
 

@@ -3,7 +3,7 @@
 The base is `qwen38 tiny`'s target and the directions its generated directions file; the
 CLI's adapter is byte for byte the tiny adapter the `cpu` profile serves.
 
-Three servers, one after the other, all bf16 (the CPU GDN kernel requires it):
+Three servers, side by side, all bf16 (the CPU GDN kernel requires it):
 1. the base with `--enable-lora` and the adapter registered as `mode-b` (two ids, one process);
 2. the same base without LoRA;
 3. the "projected" base: every target weight replaced by W - c r r^T W offline.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 import subprocess
 import sys
 from pathlib import Path
@@ -32,13 +33,13 @@ from safetensors.torch import load_file, save_file
 
 from prepare.directions import read_directions
 from prepare.manifest import MANIFEST_NAME
+from tests.conftest import free_port
 from tests.support.lora_probe import MAX_TOKENS, PROMPTS, SEQUENCE
 from tests.support.vllm_server import vllm_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
-PORT = 18410
 
 
 def _project(base: Path, out: Path, directions_path: Path) -> Path:
@@ -102,14 +103,24 @@ def observed(tmp_path_factory, tiny_root) -> dict[str, dict]:
         "--lora-modules", json.dumps({"name": "mode-b", "path": str(adapter), "base_model_name": "base"}),
     ]  # fmt: skip
     eager = ["--compilation-config", json.dumps({"mode": 0, "custom_ops": ["none"]})]  # as LoRA gets on CPU
-    seen: dict[str, dict] = {}
-    with vllm_server(base, "base", PORT, work / "lora.log", cache, lora_args) as url:
-        lora_server = _observe(url, ["base", "mode-b"])
-    seen["base@lora-server"], seen["mode-b"] = lora_server["base"], lora_server["mode-b"]
-    with vllm_server(base, "base", PORT, work / "plain.log", cache, eager) as url:
-        seen["base@plain-server"] = _observe(url, ["base"])["base"]
-    with vllm_server(projected, "projected", PORT, work / "projected.log", cache, eager) as url:
-        seen["projected"] = _observe(url, ["projected"])["projected"]
+
+    def observe(run: tuple[str, Path, str, list[str], list[str]]) -> dict[str, dict]:
+        name, model, served, extra, ids = run
+        with vllm_server(model, served, free_port(), work / f"{name}.log", cache, extra) as url:
+            return _observe(url, ids)
+
+    # Three engines side by side: each is mostly Python importing vLLM, one core apiece.
+    runs = [
+        ("lora", base, "base", lora_args, ["base", "mode-b"]),
+        ("plain", base, "base", eager, ["base"]),
+        ("projected", projected, "projected", eager, ["projected"]),
+    ]
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        lora_server, plain, on_projected = pool.map(observe, runs)
+    seen: dict[str, dict] = {
+        "base@lora-server": lora_server["base"], "mode-b": lora_server["mode-b"],
+        "base@plain-server": plain["base"], "projected": on_projected["projected"],
+    }  # fmt: skip
     (work / "observed.json").write_text(json.dumps(seen, indent=1))
     return seen
 

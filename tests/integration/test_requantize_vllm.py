@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,13 @@ def run_probe(model: Path, *flags: str, expect_ok: bool = True) -> dict | subpro
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("PROBE "))
     return json.loads(line[len("PROBE ") :])
+
+
+def probe_pair(first: tuple, second: tuple) -> tuple[dict, dict]:
+    """Two probes side by side (``run_probe`` arguments each): each engine runs one thread,
+    so on a 2-core machine the pair takes about the time of one."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return tuple(pool.map(lambda args: run_probe(*args), (first, second)))
 
 
 def dequantized_copy(prepared: Path, original: Path, out: Path, modules: list[str]) -> Path:
@@ -121,8 +129,7 @@ def test_vllm_loads_int8_lm_head_and_answers_as_the_dequantized_model(tiny, tmp_
     requantize_checkpoint(base, prepared, ["lm_head"])
     reference = dequantized_copy(prepared, base, tmp_path / "reference", ["lm_head"])
 
-    got = run_probe(prepared, "--reference-int8-kernel")
-    want = run_probe(reference)
+    got, want = probe_pair((prepared, "--reference-int8-kernel"), (reference,))
     # vLLM built one 8-bit layer (lm_head) from our packed table, scales in the model dtype
     assert got["int8_layers"] == [{"scale_dtype": "torch.bfloat16", "packed_shape": [512, 64], "group": 128}]
     assert_same_answers(got, want)
@@ -179,4 +186,4 @@ def test_vllm_loads_int8_embed_tokens_with_the_embed_patch(tiny, tmp_path, kind)
     reference = dequantized_copy(
         prepared, base, tmp_path / "reference", ["lm_head", "model.language_model.embed_tokens"]
     )
-    assert_same_answers(run_probe(prepared, "--reference-int8-kernel"), run_probe(reference))
+    assert_same_answers(*probe_pair((prepared, "--reference-int8-kernel"), (reference,)))
