@@ -77,7 +77,7 @@ def measure_profile(profile: str, env: dict[str, str], workdir: Path, *, compare
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from entrypoint.bench.provenance import client_machine, versions
+    from entrypoint.bench.provenance import client_machine, versions, write_result
     from entrypoint.profiles import profile_names
     from entrypoint.settings import load_settings
 
@@ -103,11 +103,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "machine": client_machine(args.machine_note),
         "models_dir": env.get("MODELS_DIR", "models"),
     }
-    if args.out:
-        from prepare.atomic import atomic_write_text
-
-        atomic_write_text(Path(args.out), json.dumps(doc, indent=2) + "\n")
-        print(f"result: {args.out}")
+    write_result(doc, args.out)
     return 0
 
 

@@ -28,6 +28,15 @@ REPO = Path(__file__).resolve().parents[2]
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 
 
+def write_result(doc: dict[str, Any], out: str | None) -> None:
+    """A benchmark's JSON result at ``out`` (atomically; nothing where ``out`` is None)."""
+    if out:
+        from prepare.atomic import atomic_write_text
+
+        atomic_write_text(Path(out), json.dumps(doc, indent=2) + "\n")
+        print(f"result: {out}")
+
+
 def client_machine(note: str | None = None) -> dict[str, Any]:
     """The machine running the benchmark client (and the server too, for a local deployment)."""
     cpu = ""

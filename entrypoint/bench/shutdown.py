@@ -17,7 +17,6 @@ profile's value applies.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import subprocess
 import sys
@@ -174,7 +173,7 @@ def _late_request(base_url: str, api_key: str) -> str:
 def _cmd_shutdown(args: argparse.Namespace) -> int:
     import os
 
-    from entrypoint.bench.provenance import client_machine, versions
+    from entrypoint.bench.provenance import client_machine, versions, write_result
     from entrypoint.bench.startup import REPO, _engine_env, _free_port, _verdict
 
     workdir = Path(tempfile.mkdtemp(prefix="qwen38-bench-shutdown-"))
@@ -234,11 +233,7 @@ def _cmd_shutdown(args: argparse.Namespace) -> int:
         **result,
         "machine": client_machine(args.machine_note),
     }
-    if args.out:
-        from prepare.atomic import atomic_write_text
-
-        atomic_write_text(Path(args.out), json.dumps(doc, indent=2) + "\n")
-        print(f"result: {args.out}")
+    write_result(doc, args.out)
     return 0
 
 

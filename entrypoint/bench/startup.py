@@ -162,7 +162,7 @@ def _engine_env(profile: str, workdir: Path) -> dict[str, str]:
 
 
 def _cmd_startup(args: argparse.Namespace) -> int:
-    from entrypoint.bench.provenance import client_machine, versions
+    from entrypoint.bench.provenance import client_machine, versions, write_result
 
     if args.repeat < 1:
         raise BenchError(f"--repeat {args.repeat}: must be >= 1")
@@ -191,11 +191,7 @@ def _cmd_startup(args: argparse.Namespace) -> int:
         "machine": client_machine(args.machine_note),
         "models_dir": env.get("MODELS_DIR", "models"),
     }
-    if args.out:
-        from prepare.atomic import atomic_write_text
-
-        atomic_write_text(Path(args.out), json.dumps(doc, indent=2) + "\n")
-        print(f"result: {args.out}")
+    write_result(doc, args.out)
     if not args.keep:
         import shutil
 
