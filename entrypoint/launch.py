@@ -1,4 +1,4 @@
-"""Launch: render a resolved engine into the exact vLLM invocation, then exec it.
+"""Launch: render a resolved engine into the exact vLLM invocation `qwen38 serve` runs.
 
 `render_invocation` is pure: the same profile, settings and key give the same argv,
 environment and ``--config`` YAML content. It renders the `ResolvedEngine`
@@ -41,7 +41,7 @@ SECRET_ENV = frozenset({API_KEY_ENV})
 
 @dataclass(frozen=True)
 class Invocation:
-    """Exactly what is exec'ed: argv, the environment set for vLLM, the --config content."""
+    """Exactly what is run: argv, the environment set for vLLM, the --config content."""
 
     argv: list[str]
     env: dict[str, str]
@@ -278,7 +278,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     render = subparsers.add_parser(
         "render",
         help="print the exact vLLM invocation a profile renders to (secrets masked)",
-        description="Print the argv, the environment and the --config YAML `qwen38 serve` would exec.",
+        description="Print the argv, the environment and the --config YAML `qwen38 serve` would run.",
     )
     render.add_argument("--profile", help="profile to render (default: the PROFILE setting)")
     render.add_argument("--json", action="store_true", help="one JSON object: argv, env, config")

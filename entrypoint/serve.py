@@ -3,7 +3,7 @@
 settings -> resolve -> verify -> plan -> launch -> ready gate. Each step lives in its own
 module; this one runs them in order, prints one line for what each proved, and stops at
 the first that fails (its `StackError`, one line). The engine is resolved once and every
-step reads that one resolution: the planner plans exactly what the launch execs.
+step reads that one resolution: the planner plans exactly what the launch runs.
 
 Cheap refusals come first: conflicting knobs (`resolve`) and values the models cannot
 take (`check_plannable`) are refused before a file is hashed. The launch is a supervisor
