@@ -109,7 +109,7 @@ def test_the_key_is_never_shown(monkeypatch):
 
 def test_env_example_is_generated_from_the_settings_and_has_not_drifted():
     committed = (REPO / ".env.example").read_text()
-    assert committed == render_env_example(), "regenerate with `make env-example`"
+    assert committed == render_env_example(), "regenerate with `make docs`"
     for name in Settings.model_fields:
         assert f"\n{name.upper()}=" in committed
 
