@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -229,8 +231,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if not args.watch:
             print(json.dumps(asdict(summary), indent=2) if args.json else format_status(summary, time.time()))
             return 0
+        # Ctrl-C only sets a flag, read between refreshes: a KeyboardInterrupt raised inside
+        # an HTTP request can leave httpx's connection pool locked, and the exit then hangs.
+        stop = threading.Event()
+        previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.set())
         try:
-            while True:
+            while not stop.is_set():
                 if args.json:
                     print(json.dumps(asdict(summary)), flush=True)
                 else:
@@ -238,10 +244,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
                     sys.stdout.write("\x1b[H\x1b[2J" if sys.stdout.isatty() else "")
                     print(f"qwen38 status ({stamp}, every {args.interval:g} s; Ctrl-C ends)")
                     print(format_status(summary, time.time()), flush=True)
-                time.sleep(args.interval)
+                if stop.wait(args.interval):
+                    break
                 summary, previous = collect(client, args.interval, settings, profile.name, previous)
-        except KeyboardInterrupt:
-            return 0
+        finally:
+            signal.signal(signal.SIGINT, previous_handler)
+        return 0
 
 
 def _seconds(text: str) -> float:
