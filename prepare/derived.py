@@ -159,7 +159,7 @@ def open_input(
     return InputDirectory(directory, ref, manifest)
 
 
-def is_up_to_date(dst: Path, identity: DerivedIdentity) -> bool:
+def is_up_to_date(dst: Path, identity: DerivedIdentity | GeneratedIdentity) -> bool:
     """True when ``dst`` is complete output of exactly this identity (sizes checked, not hashes)."""
     if not (dst / MANIFEST_NAME).is_file():
         return False

@@ -39,7 +39,7 @@ from typing import Any
 from entrypoint.errors import PrepareError
 from prepare.atomic import atomic_directory
 from prepare.identity import GeneratedIdentity
-from prepare.manifest import write_manifest
+from prepare.manifest import read_manifest, write_manifest
 from prepare.safetensors_stream import encode_header
 from prepare.synthetic import (
     INDEX_NAME,
@@ -264,6 +264,7 @@ class Written:
     files: int
     seconds: float
     shards: int = 0
+    skipped: bool = False  # already current: nothing written
 
 
 def identity(p: Preset, model: str, seed: int) -> GeneratedIdentity:
@@ -275,9 +276,22 @@ def identity(p: Preset, model: str, seed: int) -> GeneratedIdentity:
     )
 
 
-def write_model(out: Path, p: Preset, variant: str, seed: int, workers: int) -> Written:
-    """``out``: one generated model (config, tokenizer for a target, shards, index, manifest)."""
+def _current(out: Path, p: Preset, model: str, seed: int) -> Written | None:
+    """What ``out`` already holds when it is this exact model, whole (sizes checked, not hashes)."""
+    from prepare.derived import is_up_to_date
+
+    if not is_up_to_date(out, identity(p, model, seed)):
+        return None
+    manifest = read_manifest(out)
+    return Written(out, manifest.total_size, len(manifest.files), 0.0, skipped=True)
+
+
+def write_model(out: Path, p: Preset, variant: str, seed: int, workers: int, *, keep_current: bool = False) -> Written:
+    """``out``: one generated model (config, tokenizer for a target, shards, index, manifest);
+    ``keep_current``: leave it as it is when it already is that model (a resumed run)."""
     began = time.perf_counter()
+    if keep_current and (kept := _current(out, p, variant, seed)) is not None:
+        return kept
     role, fmt = variant_role(variant)
     tensors = variant_tensors(p, variant)
     plan = plan_shards(p, tensors)
@@ -296,11 +310,13 @@ def write_model(out: Path, p: Preset, variant: str, seed: int, workers: int) -> 
     return Written(out, written, files, time.perf_counter() - began, len(plan.shards))
 
 
-def write_directions(out: Path, target: Path, p: Preset, seed: int) -> Written:
+def write_directions(out: Path, target: Path, p: Preset, seed: int, *, keep_current: bool = False) -> Written:
     """The spark-lora adapter's directions for ``target`` (unit r per residual-writing module)."""
     from prepare.directions import random_directions
 
     began = time.perf_counter()
+    if keep_current and (kept := _current(out, p, DIRECTIONS, seed)) is not None:
+        return kept
     with atomic_directory(out) as stage:
         random_directions(target, stage / DIRECTIONS_FILE, seed, coef_range=(ADAPTER_STRENGTH, ADAPTER_STRENGTH))
         write_manifest(stage, identity(p, DIRECTIONS, seed))
@@ -315,14 +331,14 @@ class Generated:
     seconds: float = 0.0
 
     def summary(self) -> dict[str, Any]:
-        total = sum(w.bytes for w in self.models.values())
+        total = sum(w.bytes for w in self.models.values() if not w.skipped)
         return {
             "preset": self.preset,
             "seconds": round(self.seconds, 2),
             "bytes": total,
             "throughput_mb_s": round(total / max(self.seconds, 1e-9) / 1e6, 1),
-            "models": {k: {"path": str(w.path), "bytes": w.bytes, "shards": w.shards, "seconds": round(w.seconds, 2)}
-                       for k, w in self.models.items()},
+            "models": {k: {"path": str(w.path), "bytes": w.bytes, "shards": w.shards, "seconds": round(w.seconds, 2),
+                           "kept": w.skipped} for k, w in self.models.items()},
         }
 
 
@@ -334,8 +350,10 @@ def generate(
     only: list[str] | None = None,
     workers: int | None = None,
     layers: int | None = None,
+    keep_current: bool = False,
 ) -> Generated:
-    """Write the preset's models (or ``only`` those) under ``out``/<model>; returns what was written."""
+    """Write the preset's models (or ``only`` those) under ``out``/<model>; returns what was written.
+    ``keep_current``: models already whole under ``out`` are kept (a resumed run writes the rest)."""
     from prepare.tiny import DEFAULT_SEED, build_tiny_models
 
     out = Path(out)
@@ -359,9 +377,10 @@ def generate(
             target = out / "qwen3.8-27b-nvfp4"
             if not target.is_dir():
                 raise PrepareError(f"{target}: missing; the directions are drawn for the nvfp4 target: generate it first")
-            result.models[name] = write_directions(out / name, target, p, seed)
+            result.models[name] = write_directions(out / name, target, p, seed, keep_current=keep_current)
         else:
-            result.models[name] = write_model(out / name, p, name, seed, workers or default_workers())
+            result.models[name] = write_model(out / name, p, name, seed, workers or default_workers(),
+                                              keep_current=keep_current)
     result.seconds = time.perf_counter() - began
     return result
 

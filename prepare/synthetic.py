@@ -59,6 +59,10 @@ Names = Literal["vl", "text"]  # model.language_model.* (hub checkpoints) or mod
 ConfigForm = Literal["vl", "text"]  # Qwen3_5ForConditionalGeneration or Qwen3_5ForCausalLM config
 
 
+def _model_config(key: str) -> dict[str, Any]:
+    return json.loads((MODEL_CONFIGS / key / "config.json").read_text(encoding="utf-8"))
+
+
 @dataclass(frozen=True)
 class TargetShape:
     """The target's sizes (Qwen3.5/3.8 hybrid: 3 GDN layers then 1 attention layer, repeated)."""
@@ -160,15 +164,34 @@ VARIANTS: dict[str, tuple[str, Format]] = {
 }
 REAL_VARIANTS = ("qwen3.8-27b-w4a16", "qwen3.8-27b-dflash2-w4a16", "qwen3.8-27b-nvfp4", "qwen3.8-27b-dflash2")
 
-FULL_TARGET = TargetShape(
-    hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, vocab_size=248320,
-    num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-    linear_num_key_heads=16, linear_num_value_heads=48, max_position_embeddings=262144,
-)
-FULL_DRAFTER = DrafterShape(
-    num_hidden_layers=5, intermediate_size=17408, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-    target_layer_ids=(5, 19, 33, 47, 61), sliding_window=2048, selector_rank=256, selector_top_k=16,
-)
+def target_shape_from_config(text_config: dict[str, Any]) -> TargetShape:
+    """The target's sizes as a checkpoint's ``text_config`` states them."""
+    fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+              "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings")
+    shape = TargetShape(**{k: text_config[k] for k in fields}, mtp_layers=text_config.get("mtp_num_hidden_layers", 0))
+    if shape.layer_types != text_config["layer_types"]:
+        raise PrepareError("text_config.layer_types: expected (3 x linear_attention, full_attention) repeated")
+    return shape
+
+
+def drafter_shape_from_config(config: dict[str, Any]) -> DrafterShape:
+    """A DFlash2 drafter's sizes as its config.json states them."""
+    dflash = config["dflash_config"]
+    return DrafterShape(
+        num_hidden_layers=config["num_hidden_layers"], intermediate_size=config["intermediate_size"],
+        num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"], target_layer_ids=tuple(dflash["target_layer_ids"]),
+        sliding_window=config["sliding_window"], conv_kernel_size=dflash["conv_kernel_size"],
+        conv_group_size=dflash["conv_group_size"], selector_rank=dflash["selector_rank"],
+        selector_top_k=dflash["selector_top_k"], block_size=dflash["block_size"],
+    )
+
+
+# The full size is read from the real checkpoints' configs (profiles/model-configs/): one source
+# for the shapes the generator writes, the roofline counts and the planner plans.
+FULL_TARGET = target_shape_from_config(_model_config("qwen3.8-27b-w4a16")["text_config"])
+FULL_DRAFTER = drafter_shape_from_config(_model_config("qwen3.8-27b-dflash2"))
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -504,10 +527,6 @@ def drafter_tensors(p: Preset, fmt: Format, *, dflash: int = 2) -> list[StoredTe
 
 # ---------------------------------------------------------------------------------------
 # Configs
-
-
-def _model_config(key: str) -> dict[str, Any]:
-    return json.loads((MODEL_CONFIGS / key / "config.json").read_text(encoding="utf-8"))
 
 
 def _text_fields(shape: TargetShape, special: dict[str, int]) -> dict[str, Any]:

@@ -31,17 +31,48 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from entrypoint.bench.fullscale import attention_kv_bytes_per_token, gdn_state_bytes_per_slot
+from entrypoint.errors import BenchError
 
 # Nominal bandwidths (vendor figures); the H200's measured figure comes from the GPU run.
 BANDWIDTH = {"H200 (nominal)": 4.8e12, "RTX 3090": 936e9, "DGX Spark": 273e9}
-H200_MEASURED = None  # bytes/s: fill from docs/gpu/*-fullscale.json when the GPU run has measured it
+MACHINES = {"rtx3090": "RTX 3090", "dgx-spark": "DGX Spark"}  # a profile's `machine` -> BANDWIDTH key
 # DFlash2 K=7 probabilistic drafting on the Spark, clean base and adapter (REFERENCE.md §1).
 ACCEPTANCE = {"clean base (Spark article)": 5.15, "adapter (Spark article)": 3.74}
-MEASURED_ARTICLES = {  # tok/s one stream sees (REFERENCE.md §1)
-    ("single", 1): 107.0,  # RTX 3090, short context
-    ("spark-lora", 1): 45.17,  # Spark C1, clean base
-}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+# ---------------------------------------------------------------------------------------
+# Bytes per token and per sequence, from a model config
+
+
+def attention_kv_bytes_per_token(text_config: dict[str, Any], kv_dtype: str) -> int:
+    """KV bytes one token takes in the target's full-attention layers (K and V)."""
+    layers = sum(1 for t in text_config["layer_types"] if t == "full_attention")
+    per = layers * text_config["num_key_value_heads"] * text_config["head_dim"] * 2
+    if kv_dtype in ("auto", "bfloat16"):
+        return per * 2
+    if kv_dtype.startswith("fp8"):
+        return per
+    if kv_dtype == "int8_per_token_head":  # int8 values + one fp32 scale per token and head, K and V
+        return per + layers * text_config["num_key_value_heads"] * 2 * 4
+    raise BenchError(f"kv_cache_dtype {kv_dtype}: no byte count for it")
+
+
+def gdn_state_bytes_per_slot(text_config: dict[str, Any], ssm_dtype_bytes: int = 2, conv_dtype_bytes: int = 2) -> int:
+    """One request's recurrent state over all GDN layers: the SSM state (value heads x key dim
+    x value dim) and the conv state (conv channels x (kernel - 1))."""
+    layers = sum(1 for t in text_config["layer_types"] if t == "linear_attention")
+    heads, kd, vd = (text_config[k] for k in ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"))
+    conv_dim = 2 * text_config["linear_num_key_heads"] * kd + heads * vd
+    ssm = heads * kd * vd * ssm_dtype_bytes
+    conv = conv_dim * (text_config["linear_conv_kernel_dim"] - 1) * conv_dtype_bytes
+    return layers * (ssm + conv)
+
+
+def ssm_state_dtype_bytes(engine_dtype: str, text_config: dict[str, Any]) -> int:
+    """The SSM state's element size: the profile's ``mamba_ssm_cache_dtype``, else the config's."""
+    name = text_config.get("mamba_ssm_dtype", "bfloat16") if engine_dtype == "auto" else engine_dtype
+    return DTYPE_BYTES[name]
 
 
 @dataclass(frozen=True)
@@ -77,38 +108,63 @@ def int8_table_bytes(rows: int, cols: int) -> int:
     return rows * cols + rows * (cols // 128) * 2
 
 
-def servings() -> dict[str, Serving]:
-    from prepare.synthetic import PRESETS, drafter_tensors, target_tensors
+def model_config(artifact: str) -> dict[str, Any]:
+    """A real checkpoint's config.json (profiles/model-configs/<artifact key>)."""
+    from prepare.synthetic import MODEL_CONFIGS
+
+    path = MODEL_CONFIGS / artifact / "config.json"
+    if not path.is_file():
+        raise BenchError(f"{path}: missing; the roofline reads the real model's config from there")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def serving(profile) -> Serving:
+    """The bytes one decode step of ``profile`` (an `entrypoint.profiles.Profile`) reads, from
+    the real configs of its artifacts (profiles/model-configs/) and their stored formats (the
+    tensor inventories of `prepare.synthetic`'s full preset, which is read from those configs)."""
+    from prepare.synthetic import PRESETS, VARIANTS, drafter_tensors, target_tensors
 
     full = PRESETS["full"]
-    t, d = full.target, full.drafter
-    assert d is not None
-    text = {
-        "layer_types": t.layer_types, "num_key_value_heads": t.num_key_value_heads, "head_dim": t.head_dim,
-        "linear_num_value_heads": t.linear_num_value_heads, "linear_key_head_dim": t.linear_key_head_dim,
-        "linear_value_head_dim": t.linear_value_head_dim, "linear_num_key_heads": t.linear_num_key_heads,
-        "linear_conv_kernel_dim": t.linear_conv_kernel_dim,
-    }
-    lm_head_bf16 = t.vocab_size * t.hidden_size * 2
-    lm_head_int8 = int8_table_bytes(t.vocab_size, t.hidden_size)
-    w4a16 = _sum(target_tensors(full, "w4a16"), skip=("mtp.",)) - lm_head_bf16 + lm_head_int8
-    nvfp4 = _sum(target_tensors(full, "nvfp4"), skip=("mtp.",))
-    gptq = sum(x.nbytes for x in drafter_tensors(full, "gptq"))
-    bf16 = sum(x.nbytes for x in drafter_tensors(full, "bf16"))
-    drafter_kv = d.num_hidden_layers * d.num_key_value_heads * d.head_dim * 2 * 2
-    gdn_fp16 = gdn_state_bytes_per_slot(text, ssm_dtype_bytes=2)
-    gdn_fp32 = gdn_state_bytes_per_slot(text, ssm_dtype_bytes=4)
-    return {
-        "single": Serving("single", "RTX 3090", w4a16, gptq + lm_head_int8, attention_kv_bytes_per_token(text, "auto"),
-                          drafter_kv, d.sliding_window, gdn_fp16, 7),
-        "long": Serving("long", "RTX 3090", w4a16, gptq + lm_head_int8,
-                        attention_kv_bytes_per_token(text, "int8_per_token_head"), drafter_kv, d.sliding_window,
-                        gdn_fp16, 7),
-        # spark-lora keeps the config's float32 SSM state (no mamba_ssm_cache_dtype in its profile).
-        "spark-lora": Serving("spark-lora", "DGX Spark", nvfp4, bf16 + lm_head_bf16,
-                              attention_kv_bytes_per_token(text, "fp8_e4m3"), drafter_kv, d.sliding_window,
-                              gdn_fp32, 7),
-    }
+    target = profile.models.target
+    if target.artifact not in VARIANTS:
+        raise BenchError(f"profile {profile.name}: target artifact {target.artifact!r} is not one the roofline knows")
+    text = model_config(target.artifact).get("text_config") or model_config(target.artifact)
+    _, fmt = VARIANTS[target.artifact]
+    lm_head_bf16 = text["vocab_size"] * text["hidden_size"] * 2
+    lm_head = int8_table_bytes(text["vocab_size"], text["hidden_size"]) if target.transform == "requantize-int8" \
+        else lm_head_bf16
+    weights = _sum(target_tensors(full, fmt), skip=("mtp.",)) - lm_head_bf16 + lm_head
+    drafter_bytes = drafter_kv = window = k = 0
+    spec = profile.speculative
+    if profile.models.drafter is not None and spec is not None:
+        drafter_cfg = model_config(profile.models.drafter.artifact)
+        _, drafter_fmt = VARIANTS[profile.models.drafter.artifact]
+        drafter_bytes = sum(t.nbytes for t in drafter_tensors(full, drafter_fmt)) + lm_head
+        drafter_kv = (drafter_cfg["num_hidden_layers"] * drafter_cfg["num_key_value_heads"] * drafter_cfg["head_dim"]
+                      * 2 * DTYPE_BYTES[drafter_cfg.get("dtype", "bfloat16")])
+        window = drafter_cfg["sliding_window"]
+        k = spec.num_speculative_tokens
+    state = gdn_state_bytes_per_slot(text, ssm_state_dtype_bytes(profile.engine.mamba_ssm_cache_dtype, text))
+    return Serving(profile.name, MACHINES.get(profile.machine, profile.machine), weights, drafter_bytes,
+                   attention_kv_bytes_per_token(text, profile.engine.kv_cache_dtype), drafter_kv, window, state, k)
+
+
+def servings(names=("single", "long", "spark-lora")) -> dict[str, Serving]:
+    from entrypoint.profiles import load_profile
+
+    return {name: serving(load_profile(name)) for name in names}
+
+
+def roofline_fraction(s: Serving, bandwidth: float, context: int, batch: int, speculative: bool,
+                      measured_step_s: float) -> dict[str, float]:
+    """How close a measured decode step came to the bandwidth limit: the step time the bytes
+    need at ``bandwidth`` over the measured step time (1.0: at the limit)."""
+    if bandwidth <= 0 or measured_step_s <= 0:
+        raise BenchError("bandwidth and the measured step time must be positive")
+    needed = s.step_bytes(context, batch, speculative)
+    floor_s = needed / bandwidth
+    return {"bytes_per_step": needed, "bandwidth_gb_s": bandwidth / 1e9, "floor_step_ms": floor_s * 1e3,
+            "measured_step_ms": measured_step_s * 1e3, "fraction_of_limit": floor_s / measured_step_s}
 
 
 def ceiling_tok_s(s: Serving, bandwidth: float, context: int, batch: int, tau: float | None) -> float:
@@ -117,14 +173,16 @@ def ceiling_tok_s(s: Serving, bandwidth: float, context: int, batch: int, tau: f
     return steps * (tau if tau is not None else 1.0)
 
 
-def table(contexts=(512, 10_000, 43_000, 100_000), batches=(1, 8)) -> list[dict[str, Any]]:
-    """Every profile on its machine and on the H200, at each context its profile serves."""
+def table(contexts=(512, 10_000, 43_000, 100_000), batches=(1, 8), measured: dict[str, float] | None = None
+          ) -> list[dict[str, Any]]:
+    """Every profile on its machine and on the H200 (nominal, and ``measured``: machine -> bytes/s),
+    at each context its profile serves."""
     from entrypoint.profiles import load_profile
 
     rows = []
     for name, s in servings().items():
         longest = load_profile(name).engine.max_model_len
-        machines = {s.machine: BANDWIDTH[s.machine], "H200 (nominal)": BANDWIDTH["H200 (nominal)"]}
+        machines = {s.machine: BANDWIDTH[s.machine], "H200 (nominal)": BANDWIDTH["H200 (nominal)"], **(measured or {})}
         for machine, bandwidth in machines.items():
             for batch in batches:
                 for context in (c for c in contexts if c <= longest):
@@ -157,7 +215,8 @@ def markdown(rows: list[dict[str, Any]], machine_filter=None) -> str:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    rows = table()
+    measured = {"H200 (measured)": args.measured_gb_s * 1e9} if args.measured_gb_s else None
+    rows = table(measured=measured)
     parts = {name: asdict(s) for name, s in servings().items()}
     if args.json:
         Path(args.json).write_text(json.dumps({"servings": parts, "rows": rows, "projection": True}, indent=1) + "\n")
@@ -174,4 +233,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--json", default=None, help="write the servings and the table as JSON here")
+    parser.add_argument("--measured-gb-s", type=float, default=None,
+                        help="add rows at this measured H200 bandwidth (GB/s; `bench fullscale bandwidth` measures it)")
     parser.set_defaults(func=_cmd)

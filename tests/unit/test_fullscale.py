@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from entrypoint.bench import fullscale as fs
+from entrypoint.bench import fullscale_steps as fs
+from entrypoint.bench import fullscale_figures as figures
+from entrypoint.bench import roofline as rf
 from entrypoint.errors import BenchError
 from entrypoint.profiles import Profile, load_profile
 from prepare.synthetic import MODEL_CONFIGS
@@ -26,7 +28,7 @@ TEXT = json.loads((MODEL_CONFIGS / "qwen3.8-27b-w4a16" / "config.json").read_tex
 
 
 def test_derived_profiles_change_only_the_model_origins_and_the_memory_cap():
-    for name in fs.PROFILES:
+    for name in ("single", "long", "spark-lora"):
         real = load_profile(name)
         data = fs.derive_profile(name, cap_fraction=0.17 if name in fs.CAPPED else None)
         derived = Profile.model_validate({"name": f"{name}-full", **data})
@@ -45,11 +47,26 @@ def test_derived_profiles_change_only_the_model_origins_and_the_memory_cap():
             assert derived.engine.gpu_memory_utilization is None and "PYTORCH_CUDA_ALLOC_CONF" not in derived.env
 
 
-def test_the_profile_set_adds_references_without_speculation():
-    profiles = fs.profile_set(0.2)
-    assert sorted(profiles) == ["long-full", "long-nospec-full", "single-full", "single-nospec-full", "spark-lora-full"]
+def test_the_served_set_caps_each_copy_at_its_budget_and_adds_references_without_speculation():
+    total = 150_000_000_000
+    profiles = fs.profile_set(total)
+    assert list(profiles) == list(fs.SERVED)
     assert profiles["single-nospec-full"]["speculative"]["enabled"] is False
     assert profiles["single-full"]["speculative"].get("enabled", True) is True
+    for name, data in profiles.items():
+        budget = fs.SERVED[name].budget
+        if budget is None:
+            assert "gpu_memory_utilization" not in data["engine"] and "PYTORCH_CUDA_ALLOC_CONF" not in data.get("env", {})
+        else:
+            assert data["engine"]["gpu_memory_utilization"] == round(budget / total, 4)
+    # The first three fit side by side on an H200 (139.8 GiB), so their cold starts overlap.
+    assert sum(fs.SERVED[n].budget for n in ("single-full", "long-full", "spark-lora-full")) < 139 * fs.GIB
+
+
+def test_a_cpu_profile_derives_without_the_gpu_only_settings():
+    data = fs.derive_profile("cpu")
+    assert "gdn_prefill_backend" not in (data["engine"].get("additional_config") or {})
+    assert all(spec["generated"] == "tiny" for spec in data["models"].values())
 
 
 def test_the_cap_is_a_headless_3090s_memory_as_a_fraction_of_this_gpu():
@@ -62,28 +79,28 @@ def test_the_cap_is_a_headless_3090s_memory_as_a_fraction_of_this_gpu():
 
 
 def test_the_engine_log_gives_weights_pool_graphs_and_times():
-    found = fs.parse_engine_log(LOG)
+    found = figures.parse_engine_log(LOG)
     assert found["model_loading_gib"] == 15.73 and found["model_loading_all_gib"] == [15.73, 1.11]
     assert found["kv_cache_tokens"] == 68605 and found["max_concurrency"] == 1.05
     assert (found["graph_capture_s"], found["graph_capture_gib"]) == (208, 1.25)
     assert found["torch_compile_s"] == 45.2 and found["init_engine_s"] == 383.1
     assert (found["kv_reserved_gib"], found["initial_free_gib"]) == (5.2, 138.2)
-    assert fs.parse_engine_log("nothing here") == {}
+    assert figures.parse_engine_log("nothing here") == {}
 
 
 def test_kv_and_gdn_state_bytes_follow_the_model_config():
-    assert fs.attention_kv_bytes_per_token(TEXT, "auto") == 65536  # REFERENCE.md §1
-    assert fs.attention_kv_bytes_per_token(TEXT, "fp8_e4m3") == 32768
-    assert fs.attention_kv_bytes_per_token(TEXT, "int8_per_token_head") == 32768 + 16 * 4 * 2 * 4
+    assert rf.attention_kv_bytes_per_token(TEXT, "auto") == 65536  # REFERENCE.md §1
+    assert rf.attention_kv_bytes_per_token(TEXT, "fp8_e4m3") == 32768
+    assert rf.attention_kv_bytes_per_token(TEXT, "int8_per_token_head") == 32768 + 16 * 4 * 2 * 4
     # 48 GDN layers x (48 heads x 128 x 128 fp16 state + 10240 conv channels x 3 taps fp16)
-    assert fs.gdn_state_bytes_per_slot(TEXT) == 48 * (48 * 128 * 128 * 2 + 10240 * 3 * 2)
+    assert rf.gdn_state_bytes_per_slot(TEXT) == 48 * (48 * 128 * 128 * 2 + 10240 * 3 * 2)
     with pytest.raises(BenchError, match="no byte count"):
-        fs.attention_kv_bytes_per_token(TEXT, "int4_per_token_head")
+        rf.attention_kv_bytes_per_token(TEXT, "int4_per_token_head")
 
 
 def test_the_footprint_leaves_what_vllm_does_not_name_as_the_residual():
-    log = fs.parse_engine_log(LOG)
-    fp = fs.footprint(log, peak_process=23 * fs.GIB, kv_pool=5_583_457_484, drafter=1_190_000_000, gdn_state=10)
+    log = figures.parse_engine_log(LOG)
+    fp = figures.footprint(log, peak_process=23 * fs.GIB, kv_pool=5_583_457_484, drafter=1_190_000_000, gdn_state=10)
     assert fp.weights == int((15.73 + 1.11) * fs.GIB) and fp.cuda_graphs == int(1.25 * fs.GIB)
     assert fp.residual == 23 * fs.GIB - fp.weights - 5_583_457_484 - fp.cuda_graphs
     table = fp.to_dict()
@@ -91,18 +108,47 @@ def test_the_footprint_leaves_what_vllm_does_not_name_as_the_residual():
 
 
 def test_the_peak_is_the_process_trees_sum_at_one_instant():
-    samples = fs.parse_smi_samples("1.0 10 1000\n1.0 11 500\n2.0 10 1200\n2.0 99 9000\nbad line\n3.0 11 100\n")
-    assert samples[0] == (1.0, 10, 1000 << 20)
-    assert fs.peak_of(samples, {10, 11}) == 1500 << 20  # 1.0: 1500 MiB beats 2.0: 1200 MiB (pid 99 not ours)
+    samples = figures.parse_samples("1.0 10 1000\n1.0 11 500\n1.0 gpu 1600\n2.0 10 1200\n2.0 99 9000\nbad line\n3.0 11 100\n")
+    assert samples.apps[0] == (1.0, 10, 1000 << 20) and samples.device == [(1.0, 1600 << 20)]
+    assert figures.peak_of(samples.apps, {10, 11}) == 1500 << 20  # 1.0: 1500 MiB beats 2.0: 1200 MiB (pid 99 not ours)
+    found = figures.attributed_peak(samples, {10, 11}, baseline=0, exclusive=False)
+    assert found == {"bytes": 1500 << 20, "method": "process tree (nvidia-smi compute apps)"}
+
+
+def test_unlisted_processes_are_attributed_by_the_device_total_only_when_no_other_server_ran():
+    samples = figures.parse_samples("1.0 gpu 900\n2.0 gpu 23000\n3.0 gpu 22000\n")
+    alone = figures.attributed_peak(samples, {10}, baseline=900 << 20, exclusive=True)
+    assert alone["bytes"] == (23000 - 900) << 20 and "no other server" in alone["method"]
+    beside = figures.attributed_peak(samples, {10}, baseline=900 << 20, exclusive=False)
+    assert beside["bytes"] is None and beside["method"].startswith("unattributed")
+    nothing = figures.attributed_peak(figures.parse_samples(""), {10}, baseline=0, exclusive=True)
+    assert nothing["bytes"] is None and "no memory samples" in nothing["method"]
+
+
+def test_the_verdict_says_by_how_much_a_peak_missed_or_met_its_budget():
+    assert figures.fit_verdict(fs.HEADLESS_3090_BYTES - fs.GIB, fs.HEADLESS_3090_BYTES) == {
+        "cap_held": True, "margin_bytes": fs.GIB, "margin_gib": 1.0}
+    over = figures.fit_verdict(fs.HEADLESS_3090_BYTES + 2 * fs.GIB, fs.HEADLESS_3090_BYTES)
+    assert over["cap_held"] is False and over["margin_gib"] == -2.0
+    assert figures.fit_verdict(None, fs.HEADLESS_3090_BYTES)["cap_held"] is None
+
+
+def test_an_out_of_memory_in_the_log_says_what_it_tried_to_allocate():
+    line = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.25 GiB. GPU 0 has a total capacity "
+            "of 139.80 GiB of which 100.00 GiB is free.")
+    found = figures.out_of_memory("INFO start\n" + line + "\n")
+    assert found["tried_to_allocate_bytes"] == int(1.25 * fs.GIB)
+    assert figures.out_of_memory("ERROR RuntimeError: out of memory")["tried_to_allocate_bytes"] is None
+    assert figures.out_of_memory("INFO all good") is None
 
 
 def test_step_latency_and_prefill_speed():
-    assert fs.step_latency_ms(100.0, 4.0) == pytest.approx(40.0)
-    assert fs.prefill_tok_s(10240, 2.0) == 5120.0
+    assert figures.step_latency_ms(100.0, 4.0) == pytest.approx(40.0)
+    assert figures.prefill_tok_s(10240, 2.0) == 5120.0
     with pytest.raises(BenchError):
-        fs.step_latency_ms(0.0, 1.0)
+        figures.step_latency_ms(0.0, 1.0)
     with pytest.raises(BenchError):
-        fs.prefill_tok_s(1024, 0.0)
+        figures.prefill_tok_s(1024, 0.0)
 
 
 def test_without_cuda_the_allocator_cap_cannot_be_asked():
@@ -117,6 +163,7 @@ def test_generation_time_is_the_slower_of_drawing_and_writing_then_hashing():
     by_kind = {"int4": 4_000_000_000, "normal": 1_000_000_000}
     rates = {"int4": 100.0, "normal": 50.0, "const": 1000.0}
     got = fs.generation_projection(by_kind, rates, cores=4, disk_write_mb_s=1000.0, sha256_mb_s=500.0)
+    assert got["projection"] is True
     assert got["draw_s"] == pytest.approx((40 + 20) / 4)  # 15 s on 4 cores
     assert got["write_s"] == pytest.approx(5.0) and got["hash_s"] == pytest.approx(2.5)
     assert got["projected_s"] == pytest.approx(15 + 2.5)
@@ -137,13 +184,70 @@ def test_the_cpu_steps_run_at_small_size_and_write_their_results(tmp_path):
     generated = fs.step_generate(root, "small", workers=1, disk_bytes=32 << 20)
     assert generated["disk"]["write_mb_s"] > 0 and set(generated["generated"]["models"]) >= {
         "qwen3.8-27b-w4a16", "qwen3.8-27b-nvfp4", "qwen3.8-27b-dflash2", "qwen3.8-27b-dflash2-w4a16"}
+    assert generated["done"] is True
+    again = fs.step_generate(root, "small", workers=1, disk_bytes=32 << 20)  # a resumed run keeps what is whole
+    assert all(m["kept"] for m in again["generated"]["models"].values()) and again["generated"]["bytes"] == 0
     requantized = fs.step_requantize(root)
     assert requantized["exit"] == 0 and requantized["peak_rss_bytes"] > 0
     assert requantized["largest_tensor"]["name"].endswith(("embed_tokens.weight", "lm_head.weight"))
     assert "fraction_of_disk_bound" in requantized
     assert fs.step_adapter(root)["exit"] == 0
     profiles = fs.step_profiles(root, total_bytes=4 * fs.HEADLESS_3090_BYTES)
-    assert profiles["cap_fraction"] == pytest.approx(0.25) and len(profiles["profiles"]) == 5
+    assert profiles["cap_fraction"] == pytest.approx(0.25) and list(profiles["profiles"]) == list(fs.SERVED)
     written = sorted(p.name for p in (root / fs.RESULTS).iterdir())
     assert written == ["adapter.json", "generate.json", "profiles.json", "requantize.json"]
     assert (root / "models" / "prepared" / "qwen3.8-27b-w4a16-int8" / "qwen38-manifest.json").exists()
+
+
+# ---- speed figures from real benchmark documents (docs/benchmarks: the CPU runs' own files) ----
+
+BENCHMARKS = MODEL_CONFIGS.parent.parent / "docs" / "benchmarks"
+
+
+def _doc(name: str) -> dict:
+    return json.loads((BENCHMARKS / name).read_text())
+
+
+def test_a_speculative_c1_gives_its_step_time_and_labels_the_projected_speed():
+    doc = _doc("cpu-spec-c1.json")
+    got = figures.decode_figures(doc, speculative_tokens=4)
+    tau, decode = doc["points"][0]["acceptance_length"], doc["points"][0]["decode_tok_s"]
+    assert got["tokens_per_step"] == tau and got["step_ms"] == pytest.approx(1000 * tau / decode)
+    assert got["projection"] is True
+    projected = got["projected_tok_s_per_stream"]["clean base (Spark article)"]
+    assert projected["tok_s"] == pytest.approx(5.15 * 1000 / got["step_ms"])
+    assert got["mean_context_tokens"] == pytest.approx(doc["points"][0]["summary"]["prompt_tokens"]["mean"] + 1024)
+
+
+def test_a_c8_sweep_is_read_at_its_most_concurrent_point_one_token_a_step_without_speculation():
+    got = figures.decode_figures(_doc("cpu-c8.json"), speculative_tokens=0)
+    assert got["concurrency"] == 8 and got["tokens_per_step"] == 1.0 and "projection" not in got
+    assert got["step_ms"] == pytest.approx(1000 / got["decode_tok_s_per_stream_p50"])
+
+
+def test_prefill_speed_is_prompt_tokens_over_time_to_first_token_per_depth():
+    doc = _doc("cpu-depth.json")
+    rows = figures.prefill_figures(doc)
+    assert [r["label"] for r in rows] == [p["label"] for p in doc["points"]]
+    last = doc["points"][-1]
+    assert rows[-1]["prefill_tok_s"] == pytest.approx(last["summary"]["prompt_tokens"]["mean"] / last["ttft_s"], rel=1e-3)
+
+
+def test_the_measured_step_is_set_against_the_time_its_bytes_need():
+    single = rf.servings()["single"]
+    decode = {"c1": {"mean_context_tokens": 640, "concurrency": 1, "step_ms": 10.0}}
+    row = figures.roofline_rows(single, 4e12, decode, speculative=True)["c1"]
+    assert row["bytes_per_step"] == single.step_bytes(640, 1, True)
+    assert row["fraction_of_limit"] == pytest.approx(single.step_bytes(640, 1, True) / 4e12 / 0.010)
+
+
+def test_the_summary_table_has_a_row_per_served_copy():
+    summary = {"date": "d", "gpu": "H200", "bandwidth": {"gb_s": 4100.0, "method": "copy"},
+               "profiles": {"single-full": {"ready_s": 300.0, "pool": {"engine_tokens": 68605, "plan_tokens": 68605,
+                                                                       "seed_tokens": 68605},
+                                            "peak": {"bytes": 23 * fs.GIB}, "cap_held": True,
+                                            "decode": {"c1": {"step_ms": 12.5, "tokens_per_step": 1.0}}},
+                            "long-full": {"failed": "the server exited before its gate"}}}
+    text = figures.summary_markdown(summary)
+    assert "4100 GB/s" in text and "| single-full | 300.0 | 68605 / 68605 / 68605 | 23.00 | True |" in text
+    assert "12.5 (1.00)" in text and "long-full: failed" in text

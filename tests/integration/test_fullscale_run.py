@@ -1,0 +1,65 @@
+"""`qwen38 bench fullscale run` end to end on this CPU: the lent GPU's run at tiny size.
+
+The served copy is the `cpu` profile with its slots marked generated (what `profiles` does to
+`single`, `long` and `spark-lora`); `run` generates its models, writes the profile, starts
+`qwen38 serve` in a session of its own, waits for the readiness gate, measures c1 / c8 /
+depth through the real API with the real benchmarks, reads vLLM's log and the planner, stops
+the server and writes the report - the same code path as on the GPU, where only the steps
+that need CUDA (patches, bandwidth, requantize's and the adapter's full-size inputs) differ.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+
+import pytest
+
+from entrypoint.bench import fullscale_steps as fs
+from entrypoint.bench.fullscale_run import run
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+SERVED = {"cpu-full": fs.Served("cpu", None, speculation=False)}
+NOT_ON_CPU = ("patches", "bandwidth", "requantize", "adapter")
+
+
+def test_a_call_that_ends_early_is_resumed_by_the_next_and_the_report_holds_every_figure(tmp_path):
+    root, out = tmp_path / "run", tmp_path / "out"
+    # Call 1: too short to measure: it prepares, perhaps starts the server, and says what is next.
+    first = run(root, budget_s=60, size="tiny", sizes="tiny", served=SERVED, total_bytes=24 << 30,
+                skip_prep=NOT_ON_CPU, base_port=free_port(), out=out)
+    assert first["done"] is False and first["servers"]["cpu-full"] in ("pending", "starting", "ready")
+    assert fs.read_result(root, "generate")["done"] and fs.read_result(root, "profiles")["done"]
+    assert (out / "fullscale.json").exists()  # what is known so far comes back with every call
+    # Call 2: (starts or finds the server started,) measures, stops, reports.
+    second = run(root, budget_s=900, size="tiny", sizes="tiny", served=SERVED, total_bytes=24 << 30,
+                 skip_prep=NOT_ON_CPU, base_port=free_port(), out=out)
+    assert second["done"] is True, json.dumps(fs.read_result(root, "cpu-full.failed"), indent=1)[-3000:]
+    assert second["servers"] == {"cpu-full": "stopped"}
+
+    measure = fs.read_result(root, "cpu-full.measure")
+    assert measure["done"] and all(b["exit"] == 0 for b in measure["bench"].values())
+    for workload in ("c1", "c8"):
+        decode = measure["decode"][workload]
+        assert decode["step_ms"] > 0 and decode["tokens_per_step"] == 1.0  # speculation off in this copy
+    assert measure["decode"]["c8"]["concurrency"] == 8
+    assert [p["prompt_tokens"] > 100 for p in measure["prefill"]] == [True, True]
+    # vLLM's own pool (its log) is the planner's, for the copy as served.
+    assert measure["pool"]["engine_tokens"] == measure["pool"]["plan_tokens"] > 0
+    assert measure["peak"] == {"bytes": None, "method": "no memory samples (no nvidia-smi on this machine)"}
+    assert measure["cap_held"] is None
+
+    ready = fs.read_result(root, "cpu-full.ready")
+    assert ready["ready"] and ready["ready_s"] > 0
+    calls = fs.read_result(root, "run")["calls"]
+    actions = [e["action"] for call in calls for e in call]
+    assert len(calls) == 2 and actions.count("start") == 1 and actions.count("measure") == 1
+
+    report = json.loads((out / "fullscale.json").read_text())
+    row = report["summary"]["profiles"]["cpu-full"]
+    assert row["decode"]["c1"]["step_ms"] == measure["decode"]["c1"]["step_ms"] and row["ready_s"] == ready["ready_s"]
+    assert "| cpu-full |" in (out / "fullscale.md").read_text()
+    with tarfile.open(out / "logs.tar.xz") as tar:
+        assert "logs/cpu-full.log" in tar.getnames()
