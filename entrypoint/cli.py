@@ -24,7 +24,7 @@ COMMANDS = {
     "key": "entrypoint.keys",
     "lock": "prepare.lock",
     "prepare": "prepare.commands",
-    "tiny": "prepare.tiny",
+    "tiny": "prepare.generate",
     "generate": "prepare.generate",
     "adapter": "prepare.adapter",
     "doctor": "entrypoint.doctor",

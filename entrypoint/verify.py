@@ -137,7 +137,7 @@ class VerifyFailed(VerifyError):
 def generator_version(generator: str) -> str:
     """The version of a local generator (`generated = ...` slots) in this checkout."""
     if generator == "tiny":
-        from prepare.tiny import GENERATOR_VERSION
+        from prepare.generate import GENERATOR_VERSION
 
         return str(GENERATOR_VERSION)
     raise VerifyError(f"unknown generator {generator!r} in a profile slot")

@@ -137,7 +137,7 @@ def random_directions(
     projection of strength ~1 along a random direction can leave the first greedy tokens of
     a tiny model unchanged, while the readiness gate needs adapter output != base output.
     ``qwen38 tiny`` passes ``coef_range=(100, 100)``: its target is built with wide greedy
-    margins (`prepare.tiny.ADAPTER_STRENGTH`).
+    margins (`prepare.generate.TINY_ADAPTER_STRENGTH`).
     """
     import torch
 

@@ -129,7 +129,7 @@ def _tiny_is_current(directory: Path, recheck: bool) -> bool:
     """A tiny model directory this generator wrote (with ``recheck``: every byte as listed)."""
     from prepare.identity import GeneratedIdentity
     from prepare.manifest import ManifestError, read_manifest
-    from prepare.tiny import GENERATOR_VERSION
+    from prepare.generate import GENERATOR_VERSION
 
     try:
         identity = read_manifest(directory).identity
@@ -144,7 +144,7 @@ def _run_tiny(step: Step, models_dir: Path, recheck: bool, tiny_slots: list[Step
     """Generate the tiny models unless every tiny slot of the profile is current."""
     if all(_tiny_is_current(s.directory, recheck) for s in tiny_slots):
         return False
-    from prepare.tiny import build_tiny_models
+    from prepare.generate import build_tiny_models
 
     root = step.directory.parent
     if root == models_dir:

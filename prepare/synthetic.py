@@ -125,10 +125,14 @@ class Preset:
     config_form: ConfigForm = "vl"
     shard_bytes: int = 2 << 30  # shards of about this size (the hub checkpoints use ~4-5 GB)
     tokenizer_vocab: int = 1000  # tokens the BPE learns; the rest of the vocabulary is filler
-    tokenizer_corpus: tuple[str, ...] | None = None  # None: prepare.tiny's seeded corpus
+    tokenizer_corpus: tuple[str, ...] | None = None  # None: prepare.tokenizer's seeded corpus
     embed_std: float = STD
     variants: tuple[str, ...] = ()  # what `qwen38 generate --size NAME` writes by default
     shard_names: tuple[str, ...] | None = None  # fixed shard files (tests rely on which holds what)
+    # The tiny target's wide greedy margins (see `TINY`): lm_head maps each ordinary token to a
+    # fixed successor, and the residual-writing projections are this many times stronger.
+    successor_head: bool = False
+    residual_gain: float = 1.0
 
     def with_layers(self, layers: int) -> Preset:
         """The same shapes with ``layers`` target layers (a slice, for measuring throughput)."""
@@ -233,9 +237,30 @@ PRESETS: dict[str, Preset] = {
         ),
     )
 }
-# `tiny` (the cpu profile's set: prepare/tiny.py) is a preset of `qwen38 generate` too.
+# The cpu profile's set (`prepare.generate.build_tiny_models`: target, DFlash and DFlash2
+# drafters, directions, adapter). A random model at the default init has near-tied logits, so
+# two kernels that round differently (a speculative verify pass and a plain decode step, say)
+# soon pick different tokens: here the residual stream carries a unit-scale token embedding
+# and lm_head points each ordinary token at a fixed successor (special tokens and padding
+# rows never win, so generation runs to max_tokens), which gives every greedy choice a wide
+# margin; the residual-writing projections are 60 times stronger, so that the layers still
+# shift the logits and a rank-1 adapter on them changes the output.
 TINY_PRESET = "tiny"
-PRESET_NAMES = (TINY_PRESET, *PRESETS)
+TINY = Preset(
+    TINY_PRESET, "the cpu profile's tiny hybrid and its drafters (model.* names, one file, 1,024-token vocabulary)",
+    TargetShape(hidden_size=128, intermediate_size=256, num_hidden_layers=4, vocab_size=1024,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64,  # >= 32: the CPU engine needs it
+                linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=32768),
+    DrafterShape(num_hidden_layers=2, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, target_layer_ids=(1, 2), sliding_window=64),
+    names="text", config_form="text", embed_std=1.0, successor_head=True, residual_gain=60.0,
+    variants=("qwen3.8-27b-bf16",), shard_names=("model.safetensors",),
+)
+PRESETS = {TINY_PRESET: TINY, **PRESETS}
+PRESET_NAMES = tuple(PRESETS)
+# The generated tokenizer's special tokens take ids 0-9 (prepare.tokenizer.SPECIAL_TOKENS).
+SPECIAL_IDS = 10
+RESIDUAL_WRITERS = ("linear_attn.out_proj", "self_attn.o_proj", "mlp.down_proj")
 
 
 def preset(name: str, layers: int | None = None) -> Preset:
@@ -263,7 +288,11 @@ class Recipe:
     - ``fp8_normal`` (std, scale): normal(0, std) / scale in FP8 E4M3;
     - ``group_index`` (group): element i is i // group (GPTQ ``g_idx``);
     - ``shape_of`` (rows, cols): the int64 pair of a compressed-tensors ``weight_shape``;
-    - ``dflash2_base_kernel``: the conv taps' identity start (tap 0 ones, the rest zeros).
+    - ``dflash2_base_kernel``: the conv taps' identity start (tap 0 ones, the rest zeros);
+    - ``successor_rows`` (source, std, ids_from, ids_to): a successor table over the tokens
+      [ids_from, ids_to): row successor(i) is the unit direction of row i of ``source`` (a
+      ``normal`` tensor of ``std``), every other row zero; the successors are a permutation
+      seeded by ``seed_name``.
     """
 
     kind: str
@@ -276,6 +305,9 @@ class Recipe:
     cols: int = 0
     group: int = 0
     seed_name: str = ""  # the name the draw is seeded with, when not the tensor's own
+    source: str = ""
+    ids_from: int = 0
+    ids_to: int = 0
 
 
 @dataclass(frozen=True)
@@ -429,13 +461,21 @@ def target_tensors(p: Preset, fmt: Format) -> list[StoredTensor]:
     """Every tensor of the target in ``fmt``, in checkpoint order (embed, layers, norm, lm_head, MTP)."""
     shape, prefix = p.target, decoder_prefix(p.names)
     h, v = shape.hidden_size, shape.vocab_size
-    out = [_float(f"{prefix}embed_tokens.weight", (v, h), p.embed_std)]
+    embed = f"{prefix}embed_tokens.weight"
+    out = [_float(embed, (v, h), p.embed_std)]
     for index, kind in enumerate(shape.layer_types):
         layer = f"{prefix}layers.{index}"
         for module, out_f, in_f in _target_linears(shape, layer, kind):
-            out += _linear(module, out_f, in_f, _module_format(fmt, module), STD)
+            gain = p.residual_gain if module.endswith(RESIDUAL_WRITERS) else 1.0
+            out += _linear(module, out_f, in_f, _module_format(fmt, module), STD * gain)
         out += _layer_small_tensors(shape, layer, kind)
-    out += [_const(f"{prefix}norm.weight", (h,), 0.0), _float("lm_head.weight", (v, h), STD)]
+    out.append(_const(f"{prefix}norm.weight", (h,), 0.0))
+    if p.successor_head:
+        out.append(StoredTensor("lm_head.weight", "BF16", (v, h), Recipe(
+            "successor_rows", std=p.embed_std, seed_name="successor", source=embed, ids_from=SPECIAL_IDS,
+            ids_to=p.tokenizer_vocab)))
+    else:
+        out.append(_float("lm_head.weight", (v, h), STD))
     # The MTP head (bf16 in every format: the W4A16 ignore list and the NVFP4 exclusions name it).
     for index in range(shape.mtp_layers):
         layer = f"mtp.layers.{index}"
@@ -596,7 +636,24 @@ def target_config(p: Preset, fmt: Format, special: dict[str, int]) -> dict[str, 
     return config
 
 
+def dflash1_config(p: Preset, special: dict[str, int]) -> dict[str, Any]:
+    """A `DFlashDraftModel` (DFlash 1: the one the CPU build serves) over the preset's target."""
+    d = p.drafter
+    assert d is not None
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": p.target.vocab_size,
+        "hidden_size": p.target.hidden_size, "intermediate_size": d.intermediate_size,
+        "num_hidden_layers": d.num_hidden_layers, "num_attention_heads": d.num_attention_heads,
+        "num_key_value_heads": d.num_key_value_heads, "head_dim": d.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": p.target.max_position_embeddings, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000000.0, "tie_word_embeddings": False, "attention_bias": False,
+        "block_size": d.block_size, "torch_dtype": "bfloat16",
+        "dflash_config": {"mask_token_id": special["mask"], "target_layer_ids": list(d.target_layer_ids)},
+    }
+
+
 def drafter_config(p: Preset, fmt: Format, special: dict[str, int]) -> dict[str, Any]:
+    """A `DFlash2DraftModel`: the real drafter's config (profiles/model-configs) at the preset's sizes."""
     d = p.drafter
     assert d is not None
     config = _model_config("qwen3.8-27b-dflash2-w4a16" if fmt == "gptq" else "qwen3.8-27b-dflash2")

@@ -75,7 +75,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> Path:
     """MODELS_DIR with the tiny models at tiny/{target,drafter,directions,adapter} (built once)."""
-    from prepare.tiny import build_tiny_models
+    from prepare.generate import build_tiny_models
 
     root = tmp_path_factory.mktemp("models")
     build_tiny_models(root / "tiny")

@@ -195,11 +195,12 @@ def prefill_tok_s(prompt_tokens: int, ttft_s: float) -> float:
     return prompt_tokens / ttft_s
 
 
-def decode_figures(doc: dict[str, Any], speculative_tokens: int) -> dict[str, Any]:
+def decode_figures(doc: dict[str, Any], speculative_tokens: int, max_num_seqs: int | None = None) -> dict[str, Any]:
     """The decode step of a c1 / c8 document's most concurrent point: latency, tokens per step,
     and - with speculation - the tok/s the articles' acceptance lengths would give at the same
     step time (a projection: the DFlash2 drafter proposes its K tokens in one pass, so the
-    step time hardly depends on how many are accepted; random weights accept nearly none)."""
+    step time hardly depends on how many are accepted; random weights accept nearly none).
+    ``batch``: the sequences one step decodes, at most the server's ``max_num_seqs``."""
     points = doc.get("points") or []
     if not points:
         raise BenchError(f"bench {doc.get('workload')}: the document has no points")
@@ -214,6 +215,7 @@ def decode_figures(doc: dict[str, Any], speculative_tokens: int) -> dict[str, An
     out: dict[str, Any] = {
         "point": point.get("label"),
         "concurrency": point.get("concurrency", 1),
+        "batch": min(point.get("concurrency", 1), max_num_seqs or point.get("concurrency", 1)),
         "decode_tok_s_per_stream_p50": decode,
         "output_tok_s": point.get("output_tok_s"),
         "tokens_per_step": tau,
@@ -248,8 +250,8 @@ def roofline_rows(s: Serving, bandwidth: float, decode: dict[str, dict[str, Any]
                   ) -> dict[str, dict[str, float]]:
     """Each measured decode point beside the time its bytes need at ``bandwidth``."""
     return {
-        name: roofline_fraction(s, bandwidth, int(d["mean_context_tokens"]), d["concurrency"], speculative,
-                                d["step_ms"] / 1000)
+        name: roofline_fraction(s, bandwidth, int(d["mean_context_tokens"]), d.get("batch", d["concurrency"]),
+                                speculative, d["step_ms"] / 1000)
         for name, d in decode.items()
     }
 

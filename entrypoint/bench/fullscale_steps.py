@@ -708,7 +708,7 @@ def step_measure(root: Path, profile: str, sizes: str = "quick") -> dict[str, An
                                      "tail": (done.stdout[-1500:] + done.stderr[-1500:])}
         doc = _bench_doc(out) if done.returncode == 0 else None
         if doc and workload in ("c1", "c8"):
-            result["decode"][workload] = figures.decode_figures(doc, k)
+            result["decode"][workload] = figures.decode_figures(doc, k, served.engine.max_num_seqs)
         elif doc and workload == "depth":
             result["prefill"] = figures.prefill_figures(doc)
         _write(root, f"{profile}.measure", result)

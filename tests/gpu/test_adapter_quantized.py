@@ -68,7 +68,7 @@ def observed(tmp_path_factory, tiny_root) -> dict:
     quantized_dir = work / "quantized"
     dequantized = quantize_like_spark(base, quantized_dir, modules)
     seal(quantized_dir, like="spark")
-    # the tiny model's own directions (unit r, c = prepare.tiny.ADAPTER_STRENGTH), as the cpu profile serves
+    # the tiny model's own directions (unit r, c = prepare.generate.TINY_ADAPTER_STRENGTH), as the cpu profile serves
     directions_path = tiny_root / "tiny" / "directions" / "directions.safetensors"
     record = build_adapter(quantized_dir, directions_path, work / "mode-b")
     assert record["formats"] == {"fp8-tensor": 4, "nvfp4-modelopt": 4}

@@ -45,7 +45,7 @@ def needs_cuda():
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory) -> str:
-    from prepare.tiny import build_tiny_models
+    from prepare.generate import build_tiny_models
 
     paths = build_tiny_models(tmp_path_factory.mktemp("tiny"))
     return f"{paths['target']},{paths['drafter']}"

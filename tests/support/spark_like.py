@@ -3,7 +3,7 @@
 RadixArk/Qwen3.8-27B-NVFP4 keeps the residual-writing attention/GDN output projections in
 static FP8 and the MLP down projections in packed NVFP4 (W4A4), under the VL checkpoint's
 names (``model.language_model.layers.N...``). This writes the tiny target of
-``qwen38 tiny`` (`prepare.tiny`) the same way - weights with `tests.support.quantize`'s
+``qwen38 tiny`` (`prepare.generate.build_tiny_models`) the same way - weights with `tests.support.quantize`'s
 encoders, static activation scales calibrated on a few prompts with transformers - plus two
 bf16 reference models: the dequantized base and the dequantized base with each target
 weight projected (W_deq - c r r^T W_deq). Used by the GPU test (vLLM has no ModelOpt kernels

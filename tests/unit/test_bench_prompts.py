@@ -48,7 +48,8 @@ class LocalTokenizer:
 
 @pytest.fixture(scope="module")
 def tok() -> LocalTokenizer:
-    from prepare.tiny import DEFAULT_SEED, build_tokenizer
+    from prepare.generate import DEFAULT_SEED
+    from prepare.tokenizer import build_tokenizer
 
     return LocalTokenizer(build_tokenizer(DEFAULT_SEED))
 

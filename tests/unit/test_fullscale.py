@@ -220,8 +220,9 @@ def test_a_speculative_c1_gives_its_step_time_and_labels_the_projected_speed():
 
 
 def test_a_c8_sweep_is_read_at_its_most_concurrent_point_one_token_a_step_without_speculation():
-    got = figures.decode_figures(_doc("cpu-c8.json"), speculative_tokens=0)
-    assert got["concurrency"] == 8 and got["tokens_per_step"] == 1.0 and "projection" not in got
+    got = figures.decode_figures(_doc("cpu-c8.json"), speculative_tokens=0, max_num_seqs=4)
+    assert got["concurrency"] == 8 and got["batch"] == 4  # the cpu profile's 4 slots: 4 decode, 4 wait
+    assert got["tokens_per_step"] == 1.0 and "projection" not in got
     assert got["step_ms"] == pytest.approx(1000 / got["decode_tok_s_per_stream_p50"])
 
 
@@ -235,7 +236,7 @@ def test_prefill_speed_is_prompt_tokens_over_time_to_first_token_per_depth():
 
 def test_the_measured_step_is_set_against_the_time_its_bytes_need():
     single = rf.servings()["single"]
-    decode = {"c1": {"mean_context_tokens": 640, "concurrency": 1, "step_ms": 10.0}}
+    decode = {"c1": {"mean_context_tokens": 640, "concurrency": 1, "batch": 1, "step_ms": 10.0}}
     row = figures.roofline_rows(single, 4e12, decode, speculative=True)["c1"]
     assert row["bytes_per_step"] == single.step_bytes(640, 1, True)
     assert row["fraction_of_limit"] == pytest.approx(single.step_bytes(640, 1, True) / 4e12 / 0.010)

@@ -15,7 +15,7 @@ from entrypoint.errors import PrepareError
 from prepare import generate as gen
 from prepare.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from prepare.synthetic import MODEL_CONFIGS, PRESETS, plan_shards, stored_bytes, target_config, variant_tensors
-from prepare.tiny import DEFAULT_SEED
+from prepare.generate import DEFAULT_SEED
 
 GB = 1e9
 
@@ -217,7 +217,7 @@ def test_verify_accepts_the_generated_directories_through_derived_profiles(small
 
     import tomli_w
 
-    from entrypoint.bench.fullscale import derive_profile
+    from entrypoint.bench.fullscale_steps import derive_profile
     from prepare.adapter import build_adapter
     from prepare.requantize import requantize_checkpoint
     from tests.conftest import clean_env

@@ -39,3 +39,20 @@ def test_every_row_is_a_labelled_projection_with_the_articles_acceptance():
     assert {r["machine"] for r in rows} == {"RTX 3090", "DGX Spark", "H200 (nominal)"}
     text = rf.markdown(rows)
     assert "projected tok/s" in text and "tau 5.15" in text and "tau 3.74" in text
+
+
+def test_each_serving_takes_its_profiles_kv_dtype_state_dtype_and_depth():
+    servings = rf.servings()
+    text = rf.model_config("qwen3.8-27b-w4a16")["text_config"]
+    assert servings["long"].kv_per_token == rf.attention_kv_bytes_per_token(text, "int8_per_token_head")
+    assert servings["single"].gdn_state == rf.gdn_state_bytes_per_slot(text, 2)  # mamba_ssm_cache_dtype float16
+    assert servings["spark-lora"].gdn_state == rf.gdn_state_bytes_per_slot(text, 4)  # auto: the config's float32
+    assert {s.k for s in servings.values()} == {7} and servings["spark-lora"].machine == "DGX Spark"
+
+
+def test_a_profile_whose_target_is_not_a_known_artifact_is_one_clear_error():
+    from entrypoint.errors import BenchError
+    from entrypoint.profiles import load_profile
+
+    with pytest.raises(BenchError, match="target artifact None is not one the roofline knows"):
+        rf.serving(load_profile("cpu"))

@@ -1,4 +1,5 @@
-"""The tiny models: deterministic, of the real architectures, loadable by transformers."""
+"""The tiny models (`qwen38 tiny`, the generator's `tiny` preset): deterministic, of the real
+architectures, loadable by transformers, with the wide greedy margins the CPU tests rely on."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from prepare.adapter import adapter_derivation, build_adapter, verify_adapter_bi
 from prepare.directions import read_directions
 from prepare.identity import input_ref
 from prepare.manifest import MANIFEST_NAME, read_manifest, sha256_file
-from prepare.tiny import ADAPTER_STRENGTH, build_tiny_models
+from prepare.generate import TINY_ADAPTER_STRENGTH as ADAPTER_STRENGTH
+from prepare.generate import build_tiny_models
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -50,6 +52,28 @@ def test_transformers_loads_the_target_and_its_logits_are_finite(tiny_root):
     ids = tok("def cache(x):", return_tensors="pt").input_ids
     logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], 1024) and torch.isfinite(logits).all()
+
+
+def test_lm_head_sends_every_ordinary_token_to_its_own_successor_and_never_to_a_special_one(tiny_root):
+    import torch
+    from transformers import AutoTokenizer
+
+    from prepare.synthetic import SPECIAL_IDS
+    from prepare.tokenizer import SPECIAL_TOKENS
+
+    target = tiny_root / "tiny" / "target"
+    tok = AutoTokenizer.from_pretrained(target)
+    assert tok.convert_tokens_to_ids(SPECIAL_TOKENS) == list(range(SPECIAL_IDS))  # the recipe's assumption
+    with safe_open(target / "model.safetensors", "pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight").float()
+        head = f.get_tensor("lm_head.weight").float()
+    ordinary = torch.arange(SPECIAL_IDS, 1000)
+    logits = embed[ordinary] @ head.T
+    best = logits.argmax(dim=1)
+    assert sorted(best.tolist()) == ordinary.tolist()  # a permutation of the ordinary tokens
+    top2 = logits.topk(2, dim=1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 3.0  # wide margins: |e| ~ 11 along its own row, ~N(0, 1) elsewhere
+    assert head[:SPECIAL_IDS].abs().sum() == 0 and head[1000:].abs().sum() == 0
 
 
 def test_chat_template_has_roles_tools_and_the_thinking_switch(tiny_root):

@@ -27,7 +27,7 @@ from entrypoint.verify import (
 from prepare.artifact_lock import ArtifactLock, LockedArtifact, LockedFile, write_lock
 from prepare.identity import DerivedIdentity, GeneratedIdentity, input_ref
 from prepare.manifest import MANIFEST_NAME, read_manifest, write_manifest
-from prepare.tiny import GENERATOR_VERSION as TINY_VERSION
+from prepare.generate import GENERATOR_VERSION as TINY_VERSION
 from tests.pinning_support import (  # noqa: F401 (no_racy_window is a fixture)
     age,
     make_profile,
