@@ -37,6 +37,7 @@ from entrypoint.bench.fullscale_run import run
 from entrypoint.bench.fullscale_steps import (
     MEASURE_SIZES,
     SERVED,
+    Served,
     bytes_by_recipe,
     generation_projection,
     measure_rates,
@@ -74,7 +75,7 @@ def _cmd(args: argparse.Namespace) -> int:
                   "projection": projections}
     elif step == "run":
         result = run(root, budget_s=args.budget, size=args.size, sizes=args.sizes, base_port=args.port,
-                     out=Path(args.out) if args.out else None, workers=args.workers)
+                     out=Path(args.out) if args.out else None, workers=args.workers, served=served_subset(args.served))
     elif step == "patches":
         result = step_patches(root)
     elif step == "bandwidth":
@@ -107,6 +108,17 @@ def _cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def served_subset(names: str | None) -> dict[str, Served] | None:
+    """``--served a,b``: those served copies, in `SERVED`'s order (None: all of them)."""
+    if not names:
+        return None
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in SERVED]
+    if unknown:
+        raise BenchError(f"--served {','.join(unknown)}: unknown; expected some of {', '.join(SERVED)}")
+    return {name: s for name, s in SERVED.items() if name in wanted}
+
+
 STEPS = ("run", "rates", "patches", "bandwidth", "generate", "requantize", "adapter", "profiles", "start", "wait",
          "measure", "stop", "report", "sample")
 
@@ -129,6 +141,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--sizes", choices=tuple(MEASURE_SIZES), default="quick",
                         help="measure / run: workload sizes (quick fits a short lease; full: the articles')")
     parser.add_argument("--budget", type=float, default=540.0, help="run: seconds this call may take")
+    parser.add_argument("--served", default=None,
+                        help=f"run: a comma list of the served copies to run (default all, in order: {', '.join(SERVED)})")
     parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="report / run: the JSON to write (docs/gpu/DATE-GPU-fullscale.json)")
     parser.add_argument("--cores", type=int, default=16, help="rates: cores of the machine projected to (default 16)")

@@ -246,6 +246,20 @@ def prefill_figures(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def depth_decode_figures(doc: dict[str, Any], speculative_tokens: int) -> list[dict[str, Any]]:
+    """One depth document's decode steps, a row per context: what a (verify) step costs with
+    that much context behind it."""
+    rows = []
+    for point in doc.get("points", []):
+        decode, tokens = point.get("decode_tok_s"), (point.get("summary", {}).get("prompt_tokens") or {}).get("mean")
+        if not decode or not tokens:
+            continue
+        tau = point.get("acceptance_length") or 1.0
+        rows.append({"label": point["label"], "context_tokens": int(tokens), "tokens_per_step": tau,
+                     "step_ms": step_latency_ms(decode, tau), "speculative_tokens": speculative_tokens})
+    return rows
+
+
 def roofline_rows(s: Serving, bandwidth: float, decode: dict[str, dict[str, Any]], speculative: bool
                   ) -> dict[str, dict[str, float]]:
     """Each measured decode point beside the time its bytes need at ``bandwidth``."""
@@ -293,5 +307,10 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         )
         if row.get("failed"):
             lines.append(f"| {name}: failed | {row['failed']} |" + " |" * 10)
+    verify = {name: row["verify"] for name, row in summary.get("profiles", {}).items() if row.get("verify")}
+    if verify:
+        lines += ["", "| served | decode step ms at context (tokens per step) |", "|---|---|"]
+        lines += [f"| {name} | " + ", ".join(f"{r['context_tokens']:,}: {r['step_ms']:.1f} ({r['tokens_per_step']:.2f})"
+                                             for r in rows) + " |" for name, rows in verify.items()]
     lines.append("")
     return "\n".join(lines)

@@ -250,7 +250,7 @@ def _prep(root: Path, step: str, size: str, workers: int | None, total_bytes: in
         fs.step_requantize(root)
     elif step == "adapter":
         fs.step_adapter(root)
-    elif step == "profiles":
-        fs.step_profiles(root, total_bytes, served)
+    elif step == "profiles":  # every served copy, so that a later call may choose others
+        fs.step_profiles(root, total_bytes, {**fs.SERVED, **served})
 
 

@@ -63,32 +63,64 @@ class Served:
     speculation: bool = True
     after_failure_of: str | None = None  # started only when that one failed (e.g. did not fit)
     measure: bool = True  # False: a restart that only times the (warm) start
+    env: tuple[tuple[str, str], ...] = ()  # for vLLM, besides the profile's (e.g. a patch's switch)
 
 
-# In the order they are started: the three real profiles first (they fit side by side), then
-# the references without speculation, then a warm restart of `single`.
+# In the order they are started (what matters most first, for a lease that ends before the
+# list does): the three real profiles (they fit side by side), then the references - without
+# speculation, without the split-KV verify kernel - and a warm restart of `single`.
 SERVED: dict[str, Served] = {
     "single-full": Served("single", HEADLESS_3090_BYTES),
     "long-full": Served("long", HEADLESS_3090_BYTES),
     "spark-lora-full": Served("spark-lora", SPARK_STANDIN_BYTES),
-    "single-nospec-full": Served("single", HEADLESS_3090_BYTES, speculation=False),
-    "long-nospec-full": Served("long", HEADLESS_3090_BYTES, speculation=False),
+    # Only when the capped copy did not fit: its peak without a cap says by how much.
     "single-uncapped-full": Served("single", None, after_failure_of="single-full"),
     "long-uncapped-full": Served("long", None, after_failure_of="long-full"),
+    "single-nospec-full": Served("single", HEADLESS_3090_BYTES, speculation=False),
+    "long-nosplit-full": Served("long", HEADLESS_3090_BYTES, env=(("QWEN38_SPLIT_KV", "0"),)),  # patch 0045 off
+    "long-nospec-full": Served("long", HEADLESS_3090_BYTES, speculation=False),
     "single-warm-full": Served("single", HEADLESS_3090_BYTES, measure=False),
 }
 CAPPED = ("single", "long")  # the profiles whose budget is a headless 3090's
 
-# What each measured workload sends (`qwen38 bench WORKLOAD` flags), by size: `full` is the
-# articles' sizes, `quick` fits a short lease, `tiny` the CPU dry run.
-MEASURE_SIZES: dict[str, dict[str, list[str]]] = {
-    "full": {"c1": ["--requests", "5", "--output-tokens", "2048"], "c8": ["--requests", "32"],
-             "depth": ["--depths", ",".join(map(str, PREFILL_TOKENS)), "--output-tokens", "16"]},
-    "quick": {"c1": ["--requests", "2", "--output-tokens", "256"], "c8": ["--requests", "16"],
-              "depth": ["--depths", ",".join(map(str, PREFILL_TOKENS)), "--output-tokens", "16"]},
-    "tiny": {"c1": ["--requests", "1", "--input-tokens", "64", "--output-tokens", "24"],
-             "c8": ["--requests", "8", "--input-tokens", "64", "--output-tokens", "16"],
-             "depth": ["--depths", "128,512", "--output-tokens", "8"]},
+VERIFY_DEPTHS = (25_000, 128_000)  # the split-KV verify kernel's contexts (docs/split-kv.md)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One measured run: a `qwen38 bench` workload and its flags (its depths, if any, are
+    dropped where they do not fit the served copy's max_model_len)."""
+
+    bench: str
+    args: tuple[str, ...]
+    depths: tuple[int, ...] = ()
+    output_tokens: int = 0
+
+    def argv(self, max_model_len: int) -> list[str] | None:
+        if not self.depths:
+            return list(self.args)
+        fits = [d for d in self.depths if d + self.output_tokens + 256 <= max_model_len]
+        if not fits:
+            return None
+        return [*self.args, "--depths", ",".join(map(str, fits)), "--output-tokens", str(self.output_tokens)]
+
+
+# What each measured workload sends, by size: `full` is the articles' sizes, `quick` fits a short
+# lease, `tiny` the CPU dry run. `prefill`: time to first token at 1k / 10k / 64k; `verify`: the
+# decode steps at 25k and 128k of context (the verify step's attention, with split-KV on or off).
+MEASURE_SIZES: dict[str, dict[str, Workload]] = {
+    "full": {"c1": Workload("c1", ("--requests", "5", "--output-tokens", "2048")),
+             "c8": Workload("c8", ("--requests", "32")),
+             "prefill": Workload("depth", (), PREFILL_TOKENS, 16),
+             "verify": Workload("depth", (), VERIFY_DEPTHS, 128)},
+    "quick": {"c1": Workload("c1", ("--requests", "2", "--output-tokens", "256")),
+              "c8": Workload("c8", ("--requests", "16")),
+              "prefill": Workload("depth", (), PREFILL_TOKENS, 16),
+              "verify": Workload("depth", (), VERIFY_DEPTHS, 48)},
+    "tiny": {"c1": Workload("c1", ("--requests", "1", "--input-tokens", "64", "--output-tokens", "24")),
+             "c8": Workload("c8", ("--requests", "8", "--input-tokens", "64", "--output-tokens", "16")),
+             "prefill": Workload("depth", (), (128, 512), 8),
+             "verify": Workload("depth", (), (1024, 40_000), 16)},
 }
 
 
@@ -96,7 +128,8 @@ MEASURE_SIZES: dict[str, dict[str, list[str]]] = {
 # Profiles: the real ones, model slots pointed at generated directories
 
 
-def derive_profile(name: str, *, cap_fraction: float | None = None, speculation: bool = True) -> dict[str, Any]:
+def derive_profile(name: str, *, cap_fraction: float | None = None, speculation: bool = True,
+                   extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """The TOML data of profile ``name`` with every model slot generated (same dir, same transform).
 
     ``cap_fraction``: the fraction of this GPU's memory the served copy may use; it goes to
@@ -124,6 +157,8 @@ def derive_profile(name: str, *, cap_fraction: float | None = None, speculation:
         env["PYTORCH_CUDA_ALLOC_CONF"] = f"per_process_memory_fraction:{cap_fraction:.4f}"
     if not speculation and data.get("speculative"):
         data["speculative"]["enabled"] = False
+    if extra_env:
+        data.setdefault("env", {}).update(extra_env)
     return data
 
 
@@ -132,7 +167,7 @@ def profile_set(total_bytes: int, served: dict[str, Served] | None = None) -> di
     out = {}
     for name, s in (served or SERVED).items():
         cap = cap_fraction_for(total_bytes, s.budget) if s.budget is not None else None
-        out[name] = derive_profile(s.base, cap_fraction=cap, speculation=s.speculation)
+        out[name] = derive_profile(s.base, cap_fraction=cap, speculation=s.speculation, extra_env=dict(s.env))
     return out
 
 
@@ -585,8 +620,9 @@ def poll_ready(root: Path, profile: str) -> str:
         verdict = json.loads(status.read_text())
         if verdict.get("ready"):
             log = figures.parse_engine_log(_log_text(root, profile))
-            _write(root, f"{profile}.ready", {"ready": True, "ready_s": round(time.time() - start["started"], 1),
-                                              "status": verdict, "log": log})
+            # From the start to the gate's verdict as written (this look may come much later).
+            ready_s = round(status.stat().st_mtime - start["started"], 1)
+            _write(root, f"{profile}.ready", {"ready": True, "ready_s": ready_s, "status": verdict, "log": log})
             return "ready"
         record_failure(root, profile, f"the readiness gate refused: {verdict}")
         return "failed"
@@ -700,17 +736,23 @@ def step_measure(root: Path, profile: str, sizes: str = "quick") -> dict[str, An
     served = load_profile(profile, root / "profiles")
     k = served.speculative.num_speculative_tokens if served.speculative and served.speculative.enabled else 0
     result: dict[str, Any] = {"profile": profile, "sizes": sizes, "bench": {}, "decode": {}}
-    for workload, extra in MEASURE_SIZES[sizes].items():
-        out = root / RESULTS / f"{profile}.{workload}.json"
-        done = _cli("bench", workload, "--base-url", base, "--model", served.served.base, "--api-key-file", str(key),
-                    "--out", str(out), *extra, timeout=900)
-        result["bench"][workload] = {"exit": done.returncode, "file": str(out),
-                                     "tail": (done.stdout[-1500:] + done.stderr[-1500:])}
+    for name, workload in MEASURE_SIZES[sizes].items():
+        extra = workload.argv(served.engine.max_model_len)
+        if extra is None:
+            result["bench"][name] = {"skipped": f"no depth fits max_model_len {served.engine.max_model_len}"}
+            continue
+        out = root / RESULTS / f"{profile}.{name}.json"
+        done = _cli("bench", workload.bench, "--base-url", base, "--model", served.served.base, "--api-key-file",
+                    str(key), "--out", str(out), *extra, timeout=900)
+        result["bench"][name] = {"exit": done.returncode, "file": str(out), "argv": extra,
+                                 "tail": (done.stdout[-1500:] + done.stderr[-1500:])}
         doc = _bench_doc(out) if done.returncode == 0 else None
-        if doc and workload in ("c1", "c8"):
-            result["decode"][workload] = figures.decode_figures(doc, k, served.engine.max_num_seqs)
-        elif doc and workload == "depth":
+        if doc and name in ("c1", "c8"):
+            result["decode"][name] = figures.decode_figures(doc, k, served.engine.max_num_seqs)
+        elif doc and name == "prefill":
             result["prefill"] = figures.prefill_figures(doc)
+        elif doc and name == "verify":
+            result["verify"] = figures.depth_decode_figures(doc, k)
         _write(root, f"{profile}.measure", result)
     planned: dict[str, Any] = {}
     plan = _cli("plan", "--profile", profile, "--json", env=_serve_env(root, key))
@@ -722,6 +764,8 @@ def step_measure(root: Path, profile: str, sizes: str = "quick") -> dict[str, An
     result.update(footprint_of(root, profile, served, start, planned))
     result["done"] = True
     _write(root, f"{profile}.measure", result)
+    if not _alive(start["pid"]):  # it died under the load (an OOM at 64k, say): the log says why
+        record_failure(root, profile, "the server exited while it was measured")
     return result
 
 
@@ -832,7 +876,7 @@ def summarize(results: dict[str, dict[str, Any]], served: dict[str, Served] | No
             row["peak"] = failed.get("peak")
         if measure:
             for key in ("pool", "peak", "cap_held", "margin_bytes", "budget_bytes", "footprint", "decode", "prefill",
-                        "others_alive"):
+                        "verify", "others_alive"):
                 if key in measure:
                     row[key] = measure[key]
             s = served[name]

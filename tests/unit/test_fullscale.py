@@ -252,3 +252,34 @@ def test_the_summary_table_has_a_row_per_served_copy():
     text = figures.summary_markdown(summary)
     assert "4100 GB/s" in text and "| single-full | 300.0 | 68605 / 68605 / 68605 | 23.00 | True |" in text
     assert "12.5 (1.00)" in text and "long-full: failed" in text
+
+
+def test_depths_that_do_not_fit_the_served_context_are_dropped():
+    verify = fs.MEASURE_SIZES["quick"]["verify"]
+    assert verify.argv(131_072) == ["--depths", "25000,128000", "--output-tokens", "48"]
+    assert verify.argv(65_536) == ["--depths", "25000", "--output-tokens", "48"]
+    assert verify.argv(16_384) is None
+    assert fs.MEASURE_SIZES["quick"]["c1"].argv(4096) == ["--requests", "2", "--output-tokens", "256"]
+
+
+def test_a_depth_document_gives_a_decode_step_per_context():
+    doc = _doc("cpu-depth.json")
+    rows = figures.depth_decode_figures(doc, speculative_tokens=0)
+    assert [r["label"] for r in rows] == [p["label"] for p in doc["points"]]
+    assert rows[1]["step_ms"] == pytest.approx(1000 / doc["points"][1]["decode_tok_s"])
+    assert rows[1]["context_tokens"] == int(doc["points"][1]["summary"]["prompt_tokens"]["mean"])
+
+
+def test_the_split_kv_reference_differs_from_long_only_by_the_patch_switch():
+    profiles = fs.profile_set(150_000_000_000)
+    plain, nosplit = profiles["long-full"], profiles["long-nosplit-full"]
+    assert nosplit["env"].pop("QWEN38_SPLIT_KV") == "0" and nosplit == plain
+
+
+def test_served_copies_are_chosen_by_name_in_their_start_order():
+    from entrypoint.bench.fullscale import served_subset
+
+    assert list(served_subset("long-full,single-full")) == ["single-full", "long-full"]
+    assert served_subset(None) is None
+    with pytest.raises(BenchError, match="--served nope: unknown"):
+        served_subset("single-full,nope")
