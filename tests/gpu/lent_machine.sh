@@ -91,6 +91,9 @@ case "${1:-}" in
     ;;
   tier-sample)
     # What is running, every 15 s: compilers (nvcc, ptxas, cicc: JIT builds) and GPU memory.
+    # No errexit/pipefail here: a process that ends between pgrep and ps makes ps fail, and
+    # that ended the sampler 4 minutes into the 2026-12-01 runs.
+    set +e +o pipefail
     while compgen -G "$TIER_ROOT*/repo" > /dev/null && ! all_lanes_done; do
       { date -u +%T
         pids=$(pgrep -d, -f "nvcc|ptxas|cicc|ninja|VLLM|EngineCore|pytest" || true)
@@ -102,7 +105,6 @@ case "${1:-}" in
             "$TOOLS/bin/py-spy" dump --pid "$pid" 2>&1 | grep -v "^ *$" | head -25
           done
         fi
-        true  # errexit must not end the sampler when nothing matched
       } >> "$TIER_ROOT/sampler.log" 2>&1
       sleep 15
     done
