@@ -33,7 +33,9 @@ from tests.support.chain_copy import MODEL, chain_document, greedy_ids
 pytestmark = pytest.mark.gpu
 
 READY_TIMEOUT_S = 900
-PROFILES = {"off": "single-tiny", "on": "single-lookup-tiny"}
+# Names of their own: the tier's `single-tiny` may be serving on the same CACHE_DIR (one
+# supervisor per profile name there).
+PROFILES = {"off": "single-lookup-off-tiny", "on": "single-lookup-on-tiny"}
 PROMPTS = [
     "x",
     "The cache server keeps",
