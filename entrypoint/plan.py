@@ -196,12 +196,7 @@ def check_plannable(resolved: ResolvedEngine, configs: ModelConfigs) -> None:
         )
     if resolved.platform == "cuda":
         machine_of(resolved)
-    check_model_limits(
-        resolved,
-        configs.target.data,
-        configs.drafter.data if configs.drafter else None,
-        target_source=str(configs.target.path),
-    )
+    check_model_limits(resolved, configs.target.data, target_source=str(configs.target.path))
 
 
 def build_request(resolved: ResolvedEngine, configs: ModelConfigs, workdir: Path) -> dict:

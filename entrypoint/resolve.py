@@ -12,8 +12,7 @@ vLLM's own `compute_hash` does: a field added here is part of every cache key un
 ignore list says why it is not.
 
 `check_model_limits` refuses values the model itself cannot take (a context above its
-position limit, lookup drafting with a drafter that cannot do it) from its config.json,
-before anything as slow as vLLM is started. Everything here is pure.
+position limit) from its config.json, before anything as slow as vLLM is started. Everything here is pure.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ class ResolvedSpeculative(_Frozen):
 
     method: str
     drafter_tokens: int  # the drafter's depth (the profile's num_speculative_tokens)
-    lookup_tokens: int  # verify positions past the drafter's, filled by lookup drafting (patch 0070)
+    lookup_tokens: int  # verify positions past the drafter's, filled by lookup drafting (patches 0070, 0072)
     draft_sample_method: str | None
     drafter_dir: str | None  # absolute; None for methods without a drafter model
     attention_backend: str | None  # the drafter's layers' backend; None: vLLM selects one for it
@@ -302,7 +301,6 @@ def max_positions(config: Mapping[str, Any]) -> int | None:
 def check_model_limits(
     resolved: ResolvedEngine,
     target: Mapping[str, Any],
-    drafter: Mapping[str, Any] | None,
     *,
     target_source: str = "the target's config.json",
 ) -> None:
@@ -315,11 +313,3 @@ def check_model_limits(
             f"{resolved.origin('max_model_len')}: above the {limit:,} positions the model is made for "
             f"({target_source}); use at most {limit:,}"
         )
-    spec = resolved.speculative
-    if spec is not None and spec.lookup_tokens and drafter is not None:
-        if "DFlash2DraftModel" in (drafter.get("architectures") or []):
-            raise SettingsError(
-                f"LOOKUP=true: profile {resolved.profile}'s drafter ({spec.drafter_dir}) is a "
-                "DFlash2DraftModel, which runs on vLLM's V2 model runner; patch 0070 implements lookup "
-                "drafting in the V1 runner's DFlash proposer only; set LOOKUP=false"
-            )

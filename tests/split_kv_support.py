@@ -480,3 +480,93 @@ def worst_element(out: torch.Tensor, ref: Reference, batch: PagedBatch) -> str:
         f"head {head}, dim {dim}: out {float(out[token, head, dim]):.5f}, ref {float(ref.out[token, head, dim]):.5f}, "
         f"magnitude {float(ref.magnitude[token, head, dim]):.5f}, error {float(err[token, head, dim]):.3e}"
     )
+
+
+# ---- int8 numerics: what the kernel's arithmetic is, written out in torch ----
+
+
+def emulate_int8_arithmetic(
+    batch: PagedBatch, tile_n: int, *, round_scaled_probabilities: bool = True
+) -> torch.Tensor:
+    """The kernel's (and vLLM's unified kernel's) int8_per_token_head arithmetic in torch,
+    for a one-split walk over tiles of ``tile_n`` keys: scores = (q . k_int8) x K scale,
+    the online softmax (running max, p = exp2(scores - max), rescaled sums), the P.V operand
+    ``p x V scale`` rounded to bf16 (the tensor-core operand; vLLM:
+    ``(P * v_token_head_scales).to(V.dtype)``) times the exact int8 values, fp32 sums,
+    output rounded to bf16. ``round_scaled_probabilities=False`` keeps that operand in
+    fp32: only the output rounding is left."""
+    log2e = 1.4426950408889634
+    out = torch.zeros(batch.q.shape, dtype=torch.float32, device=batch.q.device)
+    block_size = batch.key_cache.shape[1]
+    start = 0
+    for seq, (q_len, seq_len) in enumerate(zip(batch.query_lens, batch.seq_lens, strict=True)):
+        if q_len == 0 or seq_len == 0:
+            start += q_len
+            continue
+        positions = torch.arange(seq_len, device=batch.q.device)
+        pages = batch.block_table[seq, positions // block_size].long()
+        slots = positions % block_size
+        keys = batch.key_cache[pages, slots, :, : batch.head_dim].float()  # int8 values, exact
+        values = batch.value_cache[pages, slots, :, : batch.head_dim].float()
+        k_scale = batch.k_scale_cache[pages, slots].T[:, None, None, :]  # (kv_heads, 1, 1, keys)
+        v_scale = batch.v_scale_cache[pages, slots].T[:, None, None, :]
+        num_kv_heads = keys.shape[1]
+        q = batch.q[start : start + q_len].float().unflatten(1, (num_kv_heads, -1))
+        scores = torch.einsum("qkgd,nkd->kgqn", q, keys) * k_scale * (batch.softmax_scale * log2e)
+        query_pos = seq_len - q_len + torch.arange(q_len, device=q.device)
+        scores = scores.masked_fill(positions[None, None, None, :] > query_pos[None, None, :, None], float("-inf"))
+        m = torch.full(scores.shape[:-1], float("-inf"), device=q.device)
+        total = torch.zeros_like(m)
+        acc = torch.zeros((*scores.shape[:-1], batch.head_dim), device=q.device)
+        for lo in range(0, seq_len, tile_n):
+            tile = scores[..., lo : lo + tile_n]
+            m_new = torch.maximum(m, tile.amax(dim=-1))
+            shift = torch.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = torch.exp2(m - shift)
+            p = torch.exp2(tile - shift[..., None])
+            total = total * alpha + p.sum(dim=-1)
+            operand = p * v_scale[..., lo : lo + tile_n]
+            if round_scaled_probabilities:
+                operand = operand.to(torch.bfloat16).float()
+            acc = acc * alpha[..., None] + torch.einsum("kgqn,nkd->kgqd", operand, values[lo : lo + tile_n])
+            m = m_new
+        out[start : start + q_len] = (acc / total[..., None]).to(torch.bfloat16).float().permute(2, 0, 1, 3).flatten(1, 2)
+        start += q_len
+    return out
+
+
+def dequantized_attention_from_page_bytes(batch: PagedBatch) -> torch.Tensor:
+    """The exact answer in float64, read from the cache's bytes without its views: each
+    (token, KV head) half-row is head_dim int8 values then the float32 scale's 4 bytes
+    (vLLM's int8_per_token_head page row), dequantized per token and head."""
+    import numpy as np
+
+    head_dim = batch.head_dim
+    padded = head_dim + SCALE_PAD_INT8
+    rows = batch.kv_cache.contiguous().numpy()  # (blocks, kv_heads, block_size, 2 * padded) int8
+    halves = [rows[..., :padded], rows[..., padded:]]
+    dequantized = []
+    for half in halves:
+        data = half[..., :head_dim].astype(np.float64)
+        scale = np.ascontiguousarray(half[..., head_dim:]).view(np.float32)[..., 0].astype(np.float64)
+        dequantized.append(torch.from_numpy(data * scale[..., None]))  # (blocks, kv_heads, block_size, head_dim)
+    keys_all, values_all = dequantized
+    block_size = batch.key_cache.shape[1]
+    out = torch.zeros(batch.q.shape, dtype=torch.float64)
+    start = 0
+    for seq, (q_len, seq_len) in enumerate(zip(batch.query_lens, batch.seq_lens, strict=True)):
+        if q_len == 0 or seq_len == 0:
+            start += q_len
+            continue
+        positions = torch.arange(seq_len)
+        pages = batch.block_table[seq, positions // block_size].long().cpu()
+        slots = positions % block_size
+        keys = keys_all[pages, :, slots]  # (seq_len, kv_heads, head_dim)
+        values = values_all[pages, :, slots]
+        q = batch.q[start : start + q_len].cpu().double().unflatten(1, (keys.shape[1], -1))
+        scores = torch.einsum("qkgd,nkd->kgqn", q, keys) * batch.softmax_scale
+        query_pos = seq_len - q_len + torch.arange(q_len)
+        scores = scores.masked_fill(positions[None, None, None, :] > query_pos[None, None, :, None], float("-inf"))
+        out[start : start + q_len] = torch.einsum("kgqn,nkd->qkgd", torch.softmax(scores, -1), values).flatten(1, 2)
+        start += q_len
+    return out

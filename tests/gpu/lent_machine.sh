@@ -12,14 +12,28 @@
 #   source <(tests/gpu/lent_machine.sh env)  PYTHONPATH for both
 # A tier run outlives the 10-minute call limit by running in a session of its own (setsid):
 #   tests/gpu/lent_machine.sh tier-start [FILES]   start `make gpu-test` in the background
-#   tests/gpu/lent_machine.sh tier-wait SECONDS    wait for it (at most SECONDS), then copy the
-#                                                  report, the logs and a sampler's record of
-#                                                  what ran when into $OUT
+#   tests/gpu/lent_machine.sh tier-wait SECONDS    wait for every lane (at most SECONDS), then
+#                                                  copy each lane's report and log, the serve
+#                                                  logs and a sampler's record of what ran when
+#                                                  into $OUT
+# Lanes: QWEN38_TIER_LANE=NAME runs a second tier beside the first (its own report and log in
+# /tmp/qwen38-tier-NAME), on the same GPU (16 cores, 139 GiB: the tiny engines use a fraction);
+# QWEN38_TIER_AFTER=REGEX holds it back until the first lane's log matches (at most 20 min), so
+# the first lane's cold start is timed alone.
 set -euo pipefail
 STAGE=/tmp/qwen38-payload
 SITE=/tmp/qwen38-site
 TOOLS=/tmp/qwen38-tools
-TIER=/tmp/qwen38-tier
+TIER_ROOT=/tmp/qwen38-tier
+TIER=$TIER_ROOT${QWEN38_TIER_LANE:+-$QWEN38_TIER_LANE}
+
+all_lanes_done() {
+  local lane
+  for lane in "$TIER_ROOT" "$TIER_ROOT"-*; do
+    if [ -d "$lane/repo" ] && [ ! -e "$lane/exit" ]; then return 1; fi
+  done
+  return 0
+}
 
 case "${1:-}" in
   stage)
@@ -59,20 +73,28 @@ case "${1:-}" in
     mkdir -p "$TIER/repo"
     tar -C "$PWD" --exclude=./.device-payload --exclude=./.whl --exclude=./.git -cf - . | tar -C "$TIER/repo" -xf -
     (cd "$TIER/repo" && setsid nohup tests/gpu/lent_machine.sh tier-run "$@" < /dev/null > "$TIER/tier.log" 2>&1 &)
-    setsid nohup "$0" tier-sample < /dev/null > /dev/null 2>&1 &
+    pgrep -f "lent_machine.sh tier-sample" > /dev/null || setsid nohup "$0" tier-sample < /dev/null > /dev/null 2>&1 &
     echo "tier started in the background: $TIER/tier.log"
     ;;
   tier-run)
     shift
     export PYTHONPATH="$PWD:$SITE:$TOOLS" PYTHONUNBUFFERED=1 QWEN38_GPU_REPORT="$TIER/report.json" \
       QWEN38_GPU_CACHE_DIR="$TIER/cache" PYTHON=python3
+    if [ -n "${QWEN38_TIER_AFTER:-}" ]; then
+      held=$(( $(date +%s) + 1200 ))
+      until grep -Eq "$QWEN38_TIER_AFTER" "$TIER_ROOT/tier.log" 2>/dev/null || [ "$(date +%s)" -ge "$held" ]; do sleep 5; done
+      echo "lane ${QWEN38_TIER_LANE:-}: starting at $(date -u +%T) (after /$QWEN38_TIER_AFTER/)"
+    fi
     code=0
     tests/gpu/run_tier.sh "$@" || code=$?
     echo "$code" > "$TIER/exit"
     ;;
   tier-sample)
     # What is running, every 15 s: compilers (nvcc, ptxas, cicc: JIT builds) and GPU memory.
-    while [ ! -e "$TIER/exit" ]; do
+    # No errexit/pipefail here: a process that ends between pgrep and ps makes ps fail, and
+    # that ended the sampler 4 minutes into the 2026-12-01 runs.
+    set +e +o pipefail
+    while compgen -G "$TIER_ROOT*/repo" > /dev/null && ! all_lanes_done; do
       { date -u +%T
         pids=$(pgrep -d, -f "nvcc|ptxas|cicc|ninja|VLLM|EngineCore|pytest" || true)
         if [ -n "$pids" ]; then ps -o etimes,pcpu,rss,args --sort=-pcpu -p "$pids" | cut -c1-200 | head -12; fi
@@ -83,22 +105,25 @@ case "${1:-}" in
             "$TOOLS/bin/py-spy" dump --pid "$pid" 2>&1 | grep -v "^ *$" | head -25
           done
         fi
-        true  # errexit must not end the sampler when nothing matched
-      } >> "$TIER/sampler.log" 2>&1
+      } >> "$TIER_ROOT/sampler.log" 2>&1
       sleep 15
     done
     ;;
   tier-wait)
     deadline=$(( $(date +%s) + ${2:?seconds} ))
-    while [ ! -e "$TIER/exit" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
-    out=${OUT:-$TIER/out}; mkdir -p "$out"
-    cp "$TIER/report.json" "$out/" 2>/dev/null || true
-    tail -c 4000000 "$TIER/tier.log" > "$out/tier.log" 2>/dev/null || true
-    tail -c 2000000 "$TIER/sampler.log" > "$out/sampler.log" 2>/dev/null || true
+    while ! all_lanes_done && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+    out=${OUT:-$TIER_ROOT/out}; mkdir -p "$out"
+    tail -c 2000000 "$TIER_ROOT/sampler.log" > "$out/sampler.log" 2>/dev/null || true
     find /tmp/pytest-of-*/ -name serve.log 2>/dev/null | tar -cJf "$out/serve-logs.tar.xz" -T - 2>/dev/null || true
-    du -sh "$TIER/cache" 2>/dev/null || true
-    if [ -e "$TIER/exit" ]; then echo "tier finished: exit $(cat "$TIER/exit")"; else echo "tier still running"; fi
-    tail -n 40 "$TIER/tier.log"
+    for lane in "$TIER_ROOT" "$TIER_ROOT"-*; do
+      [ -d "$lane/repo" ] || continue
+      name=$(basename "$lane"); mkdir -p "$out/$name"
+      cp "$lane/report.json" "$out/$name/" 2>/dev/null || true
+      tail -c 4000000 "$lane/tier.log" > "$out/$name/tier.log" 2>/dev/null || true
+      du -sh "$lane/cache" 2>/dev/null || true
+      if [ -e "$lane/exit" ]; then echo "$name finished: exit $(cat "$lane/exit")"; else echo "$name still running"; fi
+      tail -n 25 "$lane/tier.log"
+    done
     ;;
   *)
     echo "usage: $0 stage|tools|install|env|tier-start [FILES]|tier-wait SECONDS" >&2

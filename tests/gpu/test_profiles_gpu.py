@@ -30,16 +30,13 @@ import pytest
 from entrypoint.client import StackClient
 from tests.conftest import launch_server, run_cli, spec_decode_delta, stop_server, wait_ready
 from tests.gpu.conftest import record
-from tests.gpu.tiny_profiles import derive, write_profiles
+from tests.gpu.tiny_profiles import SHARE, TINY, derive, write_profiles
 from tests.support.chain_copy import greedy_ids
 from tests.support.kv_pool import pools, serve_until_pool_logged
 
 pytestmark = pytest.mark.gpu
 
 PROFILES = ("single", "long", "spark-lora")
-TINY = {"target": "tiny/target", "drafter": "tiny/drafter2"}
-# Four engines share one GPU: each asks for a slice at start-up (the KV pool is pinned by bytes).
-SHARE = {"gpu_memory_utilization": 0.15}
 PROMPTS = ["x", "The cache server keeps", "def verify(path):", "Tell me about the draft model and the queue."]
 READY_TIMEOUT_S = 900
 # profile file -> (the real profile it copies, its slots, engine changes)

@@ -14,6 +14,10 @@ import tomli_w
 from entrypoint.profiles import load_profile
 
 TINY_MAX_MODEL_LEN = 8192
+# The GPU profiles' slots as `qwen38 tiny` generates them (the DFlash2 drafter: drafter2).
+TINY = {"target": "tiny/target", "drafter": "tiny/drafter2"}
+# Several engines share one GPU: each asks for a slice at start-up (the KV pool is pinned by bytes).
+SHARE = {"gpu_memory_utilization": 0.15}
 TINY_KV_BYTES = 512 << 20
 # Hopper would pick FlashInfer's GDN prefill kernel, which needs the CUTLASS DSL; sm_86 and
 # sm_121 (the machines these profiles are for) use the Triton kernel, so the tier does too.

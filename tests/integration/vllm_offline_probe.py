@@ -35,6 +35,8 @@ def main() -> None:
         int8_reference_kernel.register()
     from vllm import LLM, SamplingParams
 
+    from tests.support.gpu_share import gpu_share
+
     extra = {}
     if args.additional_config:
         extra["additional_config"] = json.loads(args.additional_config)
@@ -51,6 +53,7 @@ def main() -> None:
         seed=0,
         disable_log_stats=False,
         enable_prefix_caching=False,  # CPU: hybrid + speculation + prefix caching dies in a Triton copy kernel
+        **gpu_share(),
         **extra,
     )
     prompts: list = PROMPTS

@@ -16,6 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
+from tests.support.gpu_share import gpu_share
+
 # Prompts for the tiny models of `qwen38 tiny` (byte-level BPE: any text tokenizes).
 PROMPTS = [
     "The cache holds",
@@ -46,6 +48,7 @@ def probe(model: str, lora: str | None) -> dict[str, dict]:
         "enforce_eager": True,
         "seed": 0,
     }
+    kwargs.update(gpu_share())
     if torch.cuda.is_available():
         # FlashInfer's GDN prefill needs the CUTLASS DSL (CI-NOTES); the Spark uses Triton anyway
         kwargs["additional_config"] = {"gdn_prefill_backend": "triton"}

@@ -18,7 +18,7 @@ from entrypoint.plan import PLAN_IGNORED, Tree, build_request, check_plannable, 
 from entrypoint.profiles import load_profile
 from entrypoint.resolve import field_paths, resolve
 from tests.conftest import clean_env, run_cli
-from tests.support.plans import seed_plans, user_settings  # noqa: F401
+from tests.support.plans import planner_pythonpath, seed_plans, user_settings  # noqa: F401
 from tests.support.vllm_views import child_pythonpath
 
 TREE = Tree(Path("/installed/vllm"), SERIES_DIR, "patched")
@@ -107,11 +107,32 @@ def test_lookup_widens_the_speculative_width_the_planner_reserves(tiny_root, tmp
     assert "lookup_tokens" not in on["speculative"]  # stock trees plan the same width
 
 
-def test_lookup_with_a_dflash2_drafter_is_refused_before_loading(tmp_path):
-    """DFlash2 runs on vLLM's V2 runner, where patch 0070 has no lookup drafting yet."""
-    resolved, configs = _inputs("single", tmp_path, lookup=True)
-    with pytest.raises(SettingsError, match="DFlash2DraftModel.*set LOOKUP=false"):
-        check_plannable(resolved, configs)
+@pytest.mark.parametrize("name", ["single", "long", "spark-lora"])
+def test_lookup_on_a_dflash2_profile_is_planned_with_the_wider_block(tmp_path, name):
+    """DFlash2 runs on vLLM's V2 runner, which has lookup drafting since patch 0072: the
+    GPU profiles plan their verify block at VERIFY_BLOCK (16 = 1 + 7 drafter + 8 lookup)."""
+    resolved, configs = _inputs(name, tmp_path, lookup=True)
+    assert configs.drafter is not None and "DFlash2DraftModel" in configs.drafter.data["architectures"]
+    check_plannable(resolved, configs)
+    assert build_request(resolved, configs, tmp_path / "w")["speculative"]["num_speculative_tokens"] == 15
+    narrower = build_request(*_inputs(name, tmp_path, lookup=True, verify_block=12), tmp_path / "x")
+    assert narrower["speculative"]["num_speculative_tokens"] == 11
+
+
+@pytest.mark.slow
+def test_the_planner_prices_the_wider_lookup_block_on_single(tmp_path, planner_pythonpath):
+    """vLLM's own arithmetic for `single` with LOOKUP=true (docs/lookup.md): 16 GDN state
+    copies per slot instead of 8 (plus prefix caching's one), so its 65,536-token context
+    no longer fits the pinned pool: the plan refuses it and names what fits."""
+    from entrypoint.plan import plan_engines
+
+    off, on = plan_engines([_inputs("single", tmp_path), _inputs("single", tmp_path, lookup=True)], compare=False)
+    assert off.fits and off.pool_tokens == 68_605
+    assert not on.fits and on.pool_tokens == 59_486 and on.serving.max_model_len_that_fits == 57_120
+    assert on.serving.state_bytes_per_request == 6 * 17 * on.serving.bytes_per_block
+    assert on.serving.slots_resident == 3 < off.serving.slots_resident == 6
+    (fitted,) = plan_engines([_inputs("single", tmp_path, lookup=True, max_model_len=57_120)], compare=False)
+    assert fitted.fits and fitted.serving.slots_resident_with_max_context == 1
 
 
 def test_a_context_above_the_models_positions_is_refused_in_one_line(tmp_path):

@@ -80,6 +80,24 @@ def test_conflicts_are_one_settings_error_for_render_and_plan(profile, values, m
     assert str(rendered.value) == str(planned.value) and "\n" not in str(planned.value)
 
 
+@pytest.mark.parametrize("name", ["single", "long", "spark-lora"])
+def test_lookup_on_a_gpu_profile_renders_and_plans_the_same_wider_block(name, tmp_path):
+    """DFlash2 (V2 runner, patch 0072): LOOKUP=true keeps the drafter's 7 and adds 8 lookup
+    positions; the launch, the planner and the CUDA-graph sizes all see the 16-token block."""
+    profile = load_profile(name)
+    settings = user_settings(name, models_dir=tmp_path, lookup=True)
+    resolved = resolve(profile, settings)
+    spec = resolved.speculative
+    assert (spec.drafter_tokens, spec.lookup_tokens, spec.num_speculative_tokens) == (7, 8, 15)
+    config = render_invocation(profile, settings, KEY).config
+    assert config["speculative-config"]["num_speculative_tokens"] == 15
+    assert config["speculative-config"]["lookup_tokens"] == 8
+    request = build_request(resolved, read_model_configs(profile, resolved, tmp_path), tmp_path / "w")
+    assert request["speculative"]["num_speculative_tokens"] == 15
+    assert resolved.cudagraph_capture_limit == resolved.max_num_seqs * 16
+    assert config["compilation-config"]["max_cudagraph_capture_size"] == resolved.max_num_seqs * 16
+
+
 def test_profile_values_and_overrides_are_told_apart_in_messages(tmp_path):
     single = load_profile("single")
     assert resolve(single, user_settings("single", models_dir=tmp_path)).origin("max_model_len") == (

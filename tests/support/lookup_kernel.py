@@ -1,0 +1,96 @@
+"""Patch 0072's lookup-drafting kernel (patches/src/.../qwen38_lookup.py) outside the engine.
+
+`load_lookup_module` imports the kernel file for Triton's interpreter; `expected_fill`
+states the rule it implements through patch 0070's NumPy functions (which tokens, and which
+positions lookup decides); `python -m tests.support.lookup_kernel` compiles the kernel with
+real Triton for GPU targets in a process of its own (this session may run the interpreter,
+see tests/support/gdn_kernel_compile.py) and prints ``{"results": {arch: "ok" | "skip: ..."}}``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+LOOKUP_KERNEL_FILE = REPO / "patches" / "src" / "v1" / "worker" / "gpu" / "spec_decode" / "qwen38_lookup.py"
+ARCHS = (86, 90, 120)
+
+
+def load_lookup_module(*, interpret: bool):
+    from tests.split_kv_support import _env
+
+    name = "qwen38_lookup_interpreted" if interpret else "qwen38_lookup"
+    if name in sys.modules:
+        return sys.modules[name]
+    with _env("TRITON_INTERPRET", "1" if interpret else None):
+        spec = importlib.util.spec_from_file_location(name, LOOKUP_KERNEL_FILE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def expected_fill(history: np.ndarray, drafts: np.ndarray, num_drafter: int, window: int):
+    """(tokens, lookup_positions) for one request, by patch 0070's NumPy rule.
+
+    Tokens are exactly `fill_lookup_drafts`'. A position is lookup's (a point mass) when its
+    token does not depend on the drafter's sample there: every position the copy rule
+    rewrites, position 0 whenever the history ends in a verbatim copy (the copy's token wins
+    whether or not the drafter agrees), and the positions past the drafter's that the
+    continuation fills.
+    """
+    from vllm.v1.spec_decode import lookup as rule
+
+    k = drafts.shape[0]
+    tokens = rule.fill_lookup_drafts(history, drafts, num_drafter, window=window)
+    positions = np.zeros(k, dtype=bool)
+    length, copy = rule.lookup_continuation(history, history.shape[0], k, window=window)
+    if length >= rule.LOOKUP_MAX_MATCH and copy[0] >= 0:
+        positions[0] = True
+        if copy[0] != drafts[0]:
+            positions |= copy >= 0
+            return tokens, positions
+    if num_drafter < k:
+        context = np.concatenate([history, drafts[:num_drafter]])
+        found, tail = rule.lookup_continuation(context, context.shape[0], k - num_drafter, window=window)
+        if found:
+            positions[num_drafter:] = tail >= 0
+    return tokens, positions
+
+
+def compile_for(arch: int) -> str:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module = load_lookup_module(interpret=False)
+    kernel = module._lookup_fill_kernel
+    pointers = {
+        "draft_tokens_ptr": "*i64", "lookup_positions_ptr": "*i8", "idx_mapping_ptr": "*i32",
+        "num_sampled_ptr": "*i32", "all_token_ids_ptr": "*i32", "total_len_ptr": "*i32",
+        "draft_logits_ptr": "*fp32", "candidate_ids_ptr": "*i64",
+    }
+    # The `single` profile with LOOKUP=true: K = 15 (7 drafter + 8 lookup), DFlash2's top 16.
+    constants = dict(
+        K=15, NUM_DRAFTER=7, TOP_K=16, MIN_MATCH=2, MAX_MATCH=8, WINDOW=32768, END_BITS=32,
+        BLOCK=module.LOOKUP_SCAN_BLOCK, BLOCK_K=16, BLOCK_TOP_K=16, HAS_DRAFT_LOGITS=True,
+    )
+    signature = {name: pointers.get(name) or ("constexpr" if name in constants else "i64") for name in kernel.arg_names}
+    source = ASTSource(
+        fn=kernel, signature=signature,
+        constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()},
+    )
+    try:
+        triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    except RuntimeError as exc:  # no CUDA toolchain (ptxas) bundled with this Triton
+        return f"skip: {str(exc).splitlines()[0][:200]}"
+    return "ok"
+
+
+if __name__ == "__main__":
+    print(json.dumps({"results": {str(arch): compile_for(arch) for arch in ARCHS}}))
