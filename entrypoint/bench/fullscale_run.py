@@ -14,10 +14,12 @@ What comes next (`next_action`, pure):
 2. a measured server is stopped (its memory goes to the next);
 3. a ready server is measured, but only while no other server is starting (a start's
    compiling, warm-up and graph capture would run beside the measured steps);
-4. otherwise servers are started in `SERVED` order, as many as the device's memory takes side
-   by side (their budgets added up), unless a ready one waits to be measured; where
-   nvidia-smi does not list this machine's process ids (a container), one at a time, so that
-   the device's total is the server's own;
+4. otherwise servers are started in `SERVED` order: the first alone (its cold start is timed
+   alone, and it fills the shared compile caches: almost all of a cold start is Triton JIT and
+   autotuning at the model's shapes, docs/gpu.md), the others as many side by side as the
+   device's memory takes (their budgets added up), unless a ready one waits to be measured;
+   where nvidia-smi does not list this machine's process ids (a container), one at a time, so
+   that the device's total is the server's own;
 5. otherwise, with servers starting, wait; with nothing left, the report and ``done``.
 """
 
@@ -62,6 +64,7 @@ class RunState:
     servers: tuple[Server, ...]  # in start order
     device_total: int | None
     pid_attribution: bool | None
+    warmed: bool = False  # a server has been ready here before: the compile caches are warm
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ def next_action(state: RunState, remaining_s: float, sizes: str = "quick",
         alive = starting + ready
         if state.pid_attribution is False and alive:
             return Action("wait", alive[0].name, "one server at a time: nvidia-smi does not list our processes")
+        if not state.warmed and alive:
+            return Action("wait", alive[0].name, "the first cold start runs alone")
         used = sum(s.budget + CONTEXT_BYTES for s in alive)
         total = state.device_total or 0
         for candidate in pending:
@@ -140,7 +145,8 @@ def read_state(root: Path, served: dict[str, fs.Served] | None = None, skip_prep
         measured = bool((fs.read_result(root, f"{name}.measure") or {}).get("done"))
         budget = s.budget if s.budget is not None else fs.UNCAPPED_BYTES
         servers.append(Server(name, status, budget, s.measure, measured))
-    return RunState(prepared, tuple(servers), total, bandwidth.get("pid_attribution"))
+    warmed = any(fs.read_result(root, f"{name}.ready") for name in fs.SERVED.keys() | served.keys())
+    return RunState(prepared, tuple(servers), total, bandwidth.get("pid_attribution"), warmed)
 
 
 def _failed_to_fit(root: Path, name: str, statuses: dict[str, Status]) -> bool:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from entrypoint.bench import fullscale_figures as figures
-from entrypoint.errors import BenchError
+from entrypoint.errors import BenchError, StackError
 
 # An RTX 3090 as CUDA reports it on Linux: 24268 MiB, 25,447,170,048 B (deviceQuery; PyTorch's
 # out-of-memory messages say "23.70 GiB total capacity"). Headless, no display server holds
@@ -675,6 +675,13 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _session_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _descendants(pid: int) -> set[int]:
     found, frontier = {pid}, [pid]
     while frontier:
@@ -784,7 +791,7 @@ def footprint_of(root: Path, profile: str, served, start: dict[str, Any], planne
         variant = Path(served.models.drafter.dir).name
         try:
             drafter = sum(stored_bytes(variant_tensors(preset("full"), variant)).values())
-        except BenchError:
+        except StackError:  # not one of the generated artifacts (a dry run's tiny drafter)
             drafter = 0
     state = (planned.get("serving") or {}).get("state_bytes_per_request") or 0
     gdn = state * served.engine.max_num_seqs
@@ -792,6 +799,8 @@ def footprint_of(root: Path, profile: str, served, start: dict[str, Any], planne
     fp = figures.footprint(log, peak["bytes"] or 0, kv_pool=served.engine.kv_cache_memory_bytes or 0,
                            drafter=drafter, gdn_state=gdn)
     verdict = figures.fit_verdict(peak["bytes"], budget) if budget else {"cap_held": None}
+    if _base_of(profile) in CAPPED:  # an uncapped copy too: by how much it would miss (or fit) a 3090
+        verdict["headless_3090"] = figures.fit_verdict(peak["bytes"], HEADLESS_3090_BYTES)
     return {
         "log": log, "peak": peak, "others_alive": others, "samples": len(samples.apps) + len(samples.device),
         "footprint": fp.to_dict() if peak["bytes"] else None, "budget_bytes": budget, **verdict,
@@ -805,44 +814,38 @@ def _base_of(profile: str) -> str:
 
 
 def step_stop(root: Path, profile: str, grace: float = 60.0) -> dict[str, Any]:
-    """End the server's session (SIGTERM, SIGKILL after ``grace`` s) and its sampler."""
+    """End the server (SIGTERM to its session: the supervisor drains and stops its engine) and
+    its sampler; whatever of its process tree is left after ``grace`` s is killed (the engine
+    runs in a process group of its own, so the tree is taken before the signal)."""
     start = read_result(root, f"{profile}.start")
     if start is None:
         return {"stopped": None}
-    group = start["pid"]
+    tree = _descendants(start["pid"])
     try:
-        os.killpg(group, signal.SIGTERM)
+        os.killpg(start["pid"], signal.SIGTERM)
     except OSError:
         pass
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and _group_alive(group):
+
+    def left() -> list[int]:  # still running, and still ours (a reused pid is in another session)
+        return sorted(pid for pid in tree if _alive(pid) and _session_of(pid) == start["pid"])
+
+    while time.monotonic() < deadline and left():
         time.sleep(1)
-    if _group_alive(group):
+    killed = left()
+    for pid in killed:
         try:
-            os.killpg(group, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    for pid in (start["pid"], start["sampler_pid"]):
-        try:
-            os.killpg(pid, signal.SIGTERM)
-        except OSError:
-            pass
-    result = {"stopped": time.time(), "after_start_s": round(time.time() - start["started"], 1)}
+    try:
+        os.killpg(start["sampler_pid"], signal.SIGTERM)
+    except OSError:
+        pass
+    result = {"stopped": time.time(), "after_start_s": round(time.time() - start["started"], 1),
+              "killed_after_grace": killed}
     _write(root, f"{profile}.stop", result)
     return result
-
-
-def _group_alive(group: int) -> bool:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().split(") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == group:  # state, ppid, pgrp
-            return True
-    return False
 
 
 # ---------------------------------------------------------------------------------------
@@ -875,8 +878,8 @@ def summarize(results: dict[str, dict[str, Any]], served: dict[str, Served] | No
             row["out_of_memory"] = failed.get("out_of_memory")
             row["peak"] = failed.get("peak")
         if measure:
-            for key in ("pool", "peak", "cap_held", "margin_bytes", "budget_bytes", "footprint", "decode", "prefill",
-                        "verify", "others_alive"):
+            for key in ("pool", "peak", "cap_held", "margin_bytes", "budget_bytes", "headless_3090", "footprint",
+                        "decode", "prefill", "verify", "others_alive"):
                 if key in measure:
                     row[key] = measure[key]
             s = served[name]

@@ -37,8 +37,10 @@ def test_drafts_are_proposed_and_verified(cpu_spec_server):
 
 
 # Below this gap between the two most likely tokens (nats, the plain path's own logprobs) a
-# greedy choice is a near-tie that two bf16 kernels may break differently.
-NEAR_TIE = 0.5
+# greedy choice is a near-tie that two bf16 kernels may break differently: the CPU engine's
+# logprobs come in steps of 1/64 nat at these values, and the adapter's answers flip (measured,
+# 2026-12-01) only where the gap was 1 or 2 such steps.
+NEAR_TIE = 0.05
 
 
 def _before_a_near_tie(choice: dict) -> int:
@@ -70,7 +72,7 @@ def test_speculation_is_lossless(cpu_server, cpu_spec_server):
             ids = [c["token_ids"][:head] for c in choices]
             assert ids[0] == ids[1], (prompt, head)
             compared += head
-    assert compared >= 8  # the clear-margin tokens are not a handful
+    assert compared >= 16  # most of the 4 x 12 tokens are chosen by a clear margin (27 on 2026-12-01)
 
 
 def test_validate_apis_passes_with_speculation(cpu_spec_server):

@@ -9,8 +9,8 @@ H200 = 150_000_000_000  # 139.8 GiB
 CAP = fs.HEADLESS_3090_BYTES
 
 
-def state(*servers: Server, prepared=PREP, attribution=True, total=H200) -> RunState:
-    return RunState(tuple(prepared), servers, total, attribution)
+def state(*servers: Server, prepared=PREP, attribution=True, total=H200, warmed=True) -> RunState:
+    return RunState(tuple(prepared), servers, total, attribution, warmed)
 
 
 def server(name: str, status: str, budget: int = CAP, measure: bool = True) -> Server:
@@ -22,6 +22,13 @@ def test_preparation_comes_first_in_order_and_only_when_its_estimate_fits():
     assert next_action(state(prepared=PREP[:2]), 540) == Action("prep", "generate")
     ended = next_action(state(prepared=PREP[:2]), 100)
     assert ended.kind == "end" and ended.name == "generate" and "100 s left" in ended.why
+
+
+def test_the_first_cold_start_runs_alone():
+    servers = [server("single-full", "starting"), server("long-full", "pending")]
+    got = next_action(state(*servers, warmed=False), 540)
+    assert got.kind == "wait" and "cold start runs alone" in got.why
+    assert next_action(state(*servers, warmed=True), 540) == Action("start", "long-full")
 
 
 def test_servers_start_side_by_side_while_their_budgets_fit_the_device():
