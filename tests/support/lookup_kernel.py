@@ -9,9 +9,7 @@ see tests/support/gdn_kernel_compile.py) and prints ``{"results": {arch: "ok" | 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,17 +22,9 @@ ARCHS = (86, 90, 120)
 
 
 def load_lookup_module(*, interpret: bool):
-    from tests.split_kv_support import _env
+    from tests.split_kv_support import load_triton_file
 
-    name = "qwen38_lookup_interpreted" if interpret else "qwen38_lookup"
-    if name in sys.modules:
-        return sys.modules[name]
-    with _env("TRITON_INTERPRET", "1" if interpret else None):
-        spec = importlib.util.spec_from_file_location(name, LOOKUP_KERNEL_FILE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
+    return load_triton_file(LOOKUP_KERNEL_FILE, "qwen38_lookup", interpret=interpret)
 
 
 def expected_fill(history: np.ndarray, drafts: np.ndarray, num_drafter: int, window: int):
