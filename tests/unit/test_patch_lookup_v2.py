@@ -249,7 +249,7 @@ print(json.dumps({{
     "class": type(spec).__name__, "off_lookup_tokens": off.lookup_tokens,
     "lookup_tokens": spec.lookup_tokens, "num_drafter_tokens": spec.num_drafter_tokens,
     "draft_tokens_shape": list(spec.draft_tokens.shape), "logits_shape": list(spec.draft_logits.shape),
-    "tokens": batch[0].tolist(), "numpy_rule": numpy_rule(history, drafts, {DRAFTER}).tolist(),
+    "tokens": batch[0].tolist(), "numpy_rule": [r.tolist() for r in numpy_rule(history, drafts, {DRAFTER})],
     "positions": spec.lookup_positions[0].tolist(), "finite_per_position": finite,
     "candidates_at_lookup": spec._cached_candidate_ids[2, {DRAFTER}].tolist(),
     "refusal": refusal,
@@ -265,7 +265,7 @@ def test_patched_dflash2_speculator_fills_its_block_by_lookup(vllm_views):  # no
     assert got["off_lookup_tokens"] == 0  # the runner's guard: nothing launched with lookup off
     assert (got["lookup_tokens"], got["num_drafter_tokens"]) == (K - DRAFTER, DRAFTER)
     assert got["draft_tokens_shape"] == [4, K] and got["logits_shape"] == [4, K, 248320]
-    assert got["tokens"] == got["numpy_rule"]
+    assert [got["tokens"], [bool(p) for p in got["positions"]]] == got["numpy_rule"]
     assert got["positions"] == [0] * DRAFTER + [1] * (K - DRAFTER)
     assert got["finite_per_position"][DRAFTER:] == [1] * (K - DRAFTER)
     assert got["candidates_at_lookup"] == [got["tokens"][DRAFTER]] * len(got["candidates_at_lookup"])
