@@ -123,20 +123,19 @@ def _int4_words(count: int, seed: int):
     return words.view(np.int32)
 
 
-_SCRATCH: dict[tuple[str, int], object] = {}  # this process's reusable block buffers
+_SCRATCH: dict[str, object] = {}  # this process's reusable block buffer, one per dtype
 
 
 def _scratch(dtype, count: int):
-    """A buffer of ``count`` elements reused from block to block: fresh tens of MB per block
-    cost more in page faults than the draw itself."""
+    """``count`` elements of a buffer reused from block to block (grown to the largest block):
+    fresh tens of MB per block cost more in page faults than the draw itself."""
     import torch
 
-    key = (str(dtype), count)
-    if key not in _SCRATCH:
-        if len(_SCRATCH) > 8:  # the blocks of a few tensor shapes, not one per tensor
-            _SCRATCH.clear()
-        _SCRATCH[key] = torch.empty(count, dtype=dtype)
-    return _SCRATCH[key]
+    key = str(dtype)
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < count:
+        _SCRATCH[key] = buffer = torch.empty(count, dtype=dtype)
+    return buffer[:count]
 
 
 def _normal(shape: tuple[int, ...], seed: int, std: float, *, scratch: bool = False):

@@ -54,8 +54,7 @@ class Server:
     name: str
     status: Status
     budget: int  # bytes it may take (for packing side by side)
-    measure: bool = True
-    measured: bool = False  # a stopped server was measured before
+    measure: bool = True  # False: started only to time the start
 
 
 @dataclass(frozen=True)
@@ -142,9 +141,8 @@ def read_state(root: Path, served: dict[str, fs.Served] | None = None, skip_prep
         if status == "pending" and s.after_failure_of and not _failed_to_fit(root, s.after_failure_of, statuses):
             status = "skipped"
         statuses[name] = status
-        measured = bool((fs.read_result(root, f"{name}.measure") or {}).get("done"))
         budget = s.budget if s.budget is not None else fs.UNCAPPED_BYTES
-        servers.append(Server(name, status, budget, s.measure, measured))
+        servers.append(Server(name, status, budget, s.measure))
     warmed = any(fs.read_result(root, f"{name}.ready") for name in fs.SERVED.keys() | served.keys())
     return RunState(prepared, tuple(servers), total, bandwidth.get("pid_attribution"), warmed)
 
