@@ -347,17 +347,17 @@ def _hosts_link(resolved: ResolvedEngine, run: Runner, sys_root: Path) -> list[F
     findings.append(Finding(level, "interface", detail))
     rdma = sys_root / "sys" / "class" / "infiniband"
     present = sorted(p.name for p in rdma.glob("*")) if rdma.is_dir() else []
-    if par.nccl_ib_hca:
-        wanted = [name.split(":")[0] for name in par.nccl_ib_hca.lstrip("^=").split(",")]
+    if par.rdma_devices:
+        wanted = [name.split(":")[0] for name in par.rdma_devices.lstrip("^=").split(",")]
         absent = [name for name in wanted if name not in present]
-        if absent and not par.nccl_ib_hca.startswith("^"):
-            findings.append(Finding("warn", "rdma", f"NCCL_IB_HCA names {', '.join(absent)}, not present here "
+        if absent and not par.rdma_devices.startswith("^"):
+            findings.append(Finding("warn", "rdma", f"RDMA_DEVICES names {', '.join(absent)}, not present here "
                                     f"(present: {', '.join(present) or 'none'}): NCCL would fall back to TCP sockets"))
         else:
-            findings.append(Finding("ok", "rdma", f"NCCL_IB_HCA={par.nccl_ib_hca} (present: {', '.join(present)})"))
+            findings.append(Finding("ok", "rdma", f"RDMA_DEVICES={par.rdma_devices} (present: {', '.join(present)})"))
     else:
         findings.append(Finding("info", "rdma", f"NCCL picks the RDMA devices itself (present: "
-                                f"{', '.join(present) or 'none'}; NCCL_IB_HCA names them)"))
+                                f"{', '.join(present) or 'none'}; RDMA_DEVICES names them)"))
     return findings
 
 

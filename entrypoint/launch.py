@@ -33,6 +33,7 @@ from entrypoint.errors import SettingsError
 from entrypoint.profiles import Profile
 from entrypoint.resolve import ResolvedEngine, check_multi_host, resolve
 from entrypoint.settings import Settings, load_settings, load_settings_profile, read_api_key
+from entrypoint.toolchain import Runner
 
 ENGINE_MODULE = "entrypoint.engine_main"  # vLLM's OpenAI server, tied to the supervisor's life
 MASK = "********"
@@ -97,8 +98,8 @@ COMPILE_IGNORED = {
     "parallel.head_port": "where the hosts are, not what they compile",
     "parallel.node_address": "where the hosts are, not what they compile",
     "parallel.network_interface": "where the hosts are, not what they compile",
-    "parallel.nccl_ib_hca": "where the hosts are, not what they compile",
-    "parallel.nccl_debug": "NCCL's log level",
+    "parallel.rdma_devices": "where the hosts are, not what they compile",
+    "parallel.nccl_log_level": "NCCL's log level",
 }
 
 
@@ -227,10 +228,10 @@ def parallel_env(resolved: ResolvedEngine) -> dict[str, str]:
         env["VLLM_HOST_IP"] = par.node_address or ""
         env["NCCL_SOCKET_IFNAME"] = par.network_interface or ""
         env["GLOO_SOCKET_IFNAME"] = par.network_interface or ""
-        if par.nccl_ib_hca:
-            env["NCCL_IB_HCA"] = par.nccl_ib_hca
-    if par.nccl_debug:
-        env["NCCL_DEBUG"] = par.nccl_debug
+        if par.rdma_devices:
+            env["NCCL_IB_HCA"] = par.rdma_devices
+    if par.nccl_log_level:
+        env["NCCL_DEBUG"] = par.nccl_log_level
     return env
 
 
@@ -305,19 +306,20 @@ def load(args: argparse.Namespace) -> tuple[Profile, Settings, SecretStr | None]
     return load_settings_profile(settings), settings, read_api_key(settings)
 
 
-def resolve_on_this_host(profile: Profile, settings: Settings) -> ResolvedEngine:
+def resolve_on_this_host(profile: Profile, settings: Settings, run: Runner | None = None) -> ResolvedEngine:
     """`resolve` with the link between the profile's GPUs as this host's nvidia-smi reports it
     (one-host multi-GPU profiles with GPU_LINK=auto; a matrix that cannot be read counts as PCIe,
-    the safe side, and says so)."""
+    the safe side, and says so). ``run`` runs nvidia-smi (default: `run_command`)."""
     from entrypoint.toolchain import run_command
     from entrypoint.topology import TopologyError, read_link
 
+    run = run or run_command
     first = resolve(profile, settings)
     par = first.parallel
     if par is None or par.nodes > 1 or settings.gpu_link != "auto" or first.devices is None:
         return first
     try:
-        reading = read_link(first.devices, run_command)
+        reading = read_link(first.devices, run)
     except TopologyError as exc:
         print(f"qwen38: topology: {exc}; assuming PCIe (set GPU_LINK to say)", file=sys.stderr)
         return first

@@ -74,8 +74,8 @@ PLAN_IGNORED = {
     "parallel.head_port": "where the hosts are, not what they keep",
     "parallel.node_address": "where the hosts are, not what they keep",
     "parallel.network_interface": "where the hosts are, not what they keep",
-    "parallel.nccl_ib_hca": "where the hosts are, not what they keep",
-    "parallel.nccl_debug": "NCCL's log level",
+    "parallel.rdma_devices": "where the hosts are, not what they keep",
+    "parallel.nccl_log_level": "NCCL's log level",
 }
 
 

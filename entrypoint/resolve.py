@@ -88,8 +88,8 @@ class ResolvedParallel(_Frozen):
     head_port: int | None  # multi-host: torch.distributed's rendezvous port (vLLM --master-port)
     node_address: str | None  # multi-host: this host's IP on the link (VLLM_HOST_IP)
     network_interface: str | None  # multi-host: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME
-    nccl_ib_hca: str | None
-    nccl_debug: str | None
+    rdma_devices: str | None
+    nccl_log_level: str | None
 
     @property
     def headless(self) -> bool:
@@ -281,8 +281,8 @@ def _parallel(profile: Profile, settings: Settings, detected: LinkReading | None
         if multi_host
         else None,
         network_interface=settings.network_interface if multi_host else None,
-        nccl_ib_hca=settings.nccl_ib_hca if multi_host else None,
-        nccl_debug=settings.nccl_debug,
+        rdma_devices=settings.rdma_devices if multi_host else None,
+        nccl_log_level=settings.nccl_log_level,
     )
 
 
@@ -301,6 +301,16 @@ def check_multi_host(resolved: ResolvedEngine) -> None:
             f"profile {resolved.profile} runs on {par.nodes} hosts: set {', '.join(missing)} on "
             f"{'this worker' if par.headless else 'the head'} (the link's addresses and interface; "
             "`ip -br addr` lists them; docs/dual.md)"
+        )
+    if not par.headless and par.node_address != par.head_address:
+        raise SettingsError(
+            f"NODE_ADDRESS={par.node_address} on the head (NODE_RANK=0): the head's address is HEAD_ADDRESS="
+            f"{par.head_address}; unset NODE_ADDRESS here (it is the worker's own address)"
+        )
+    if par.headless and par.node_address == par.head_address:
+        raise SettingsError(
+            f"NODE_ADDRESS={par.node_address} on worker host {par.node_rank} is the head's address; set this "
+            "host's own address on the link"
         )
 
 

@@ -250,18 +250,18 @@ class Settings(BaseSettings):
         example="",
         pattern=r"^[A-Za-z0-9_.:-]{1,15}$",
     )
-    nccl_ib_hca: str | None = _knob(
+    rdma_devices: str | None = _knob(
         None,
         "parallel",
-        "Multi-host: the RDMA devices NCCL sends over (NCCL_IB_HCA), e.g. rocep1s0f1,roceP2p1s0f1 for both "
-        "halves of a Spark's port. Empty: NCCL picks.",
+        "Multi-host: the RDMA devices NCCL sends over (sets NCCL_IB_HCA), e.g. rocep1s0f1,roceP2p1s0f1 for "
+        "both halves of a Spark's port. Empty: NCCL picks.",
         example="",
         pattern=r"^\^?=?[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*$",
     )
-    nccl_debug: Literal["VERSION", "WARN", "INFO", "TRACE"] | None = _knob(
+    nccl_log_level: Literal["VERSION", "WARN", "INFO", "TRACE"] | None = _knob(
         None,
         "parallel",
-        "NCCL's log level (NCCL_DEBUG); INFO shows the transport each link uses (`Using network IB`).",
+        "NCCL's log level (sets NCCL_DEBUG); INFO shows the transport each link uses (`Using network IB`).",
         example="",
     )
 

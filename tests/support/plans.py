@@ -17,7 +17,7 @@ from tests.support.vllm_views import child_pythonpath
 OVERRIDES = (
     "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "speculation", "lookup", "verify_block",
     "prefix_caching", "enable_thinking", "cuda_visible_devices", "custom_all_reduce", "nccl_p2p",
-    "head_address", "node_address", "network_interface", "nccl_ib_hca", "nccl_debug",
+    "head_address", "node_address", "network_interface", "rdma_devices", "nccl_log_level",
 )  # fmt: skip
 # The parallel knobs with a default of their own, at that default.
 PARALLEL_DEFAULTS = {"gpu_link": "auto", "node_rank": 0, "head_port": 29501}

@@ -138,7 +138,7 @@ def test_the_head_runs_rank_0_with_the_api_and_names_the_link():
 
 
 def test_the_worker_runs_rank_1_headless_with_its_own_address_and_the_lora_identity():
-    resolved, inv = render("spark-pair", **PAIR_WORKER, nccl_ib_hca="rocep1s0f1,roceP2p1s0f1", nccl_debug="INFO")
+    resolved, inv = render("spark-pair", **PAIR_WORKER, rdma_devices="rocep1s0f1,roceP2p1s0f1", nccl_log_level="INFO")
     assert inv.argv[-4:] == [ENGINE_MODULE, "--headless", "--config", "/cache/run/spark-pair.vllm.yaml"]
     assert inv.config["node-rank"] == 1 and inv.config["master-addr"] == "192.168.100.10"
     assert inv.env["VLLM_HOST_IP"] == "192.168.100.11"
@@ -170,6 +170,8 @@ def test_vllms_parser_reads_the_workers_flags_as_a_headless_rank_1(tmp_path):
         ({"node_rank": 1, **PAIR_HEAD}, "set NODE_ADDRESS on this worker"),
         ({"node_rank": 2, **PAIR_HEAD}, r"NODE_RANK=2: profile spark-pair runs on 2 hosts \(ranks 0..1\)"),
         ({"custom_all_reduce": True, **PAIR_HEAD}, "CUSTOM_ALL_REDUCE=true: profile spark-pair's GPUs are in 2 hosts"),
+        ({**PAIR_WORKER, "node_rank": 0}, "NODE_ADDRESS=192.168.100.11 on the head .*unset NODE_ADDRESS here"),
+        ({**PAIR_WORKER, "node_address": "192.168.100.10"}, "on worker host 1 is the head's address"),
     ],
 )
 def test_a_pair_without_its_link_or_with_a_wrong_rank_is_refused_in_one_line(values, message):
