@@ -33,6 +33,9 @@ SEED_CASES = (
     ("long", False),
     ("long", True),
     ("spark-lora", None),
+    ("dual", False),
+    ("dual", True),
+    ("spark-pair", None),
 )
 
 
