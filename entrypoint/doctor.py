@@ -137,7 +137,9 @@ def memory_finding(
         return Finding("info", check, f"nvidia-smi reports no free memory for GPU {gpu.index}; profile "
                        f"{profile.name} takes up to {need / GIB:.1f} GiB there")
     free = gpu.free_mib << 20
-    share = f"weights as stored {weights / GIB:.1f}" + (f" (1/{split} of {weights_bytes / GIB:.1f})" if split > 1 else "")
+    share = f"weights as stored {weights / GIB:.1f}"
+    if split > 1:
+        share += f" (1/{split} of {weights_bytes / GIB:.1f})"
     detail = (
         f"{free / GIB:.1f} GiB free on GPU {gpu.index}; profile {profile.name} takes up to {need / GIB:.1f} GiB "
         f"(KV pool {kv / GIB:.1f} + {share} + runtime {RUNTIME_OVERHEAD_BYTES / GIB:.1f})"
@@ -211,8 +213,8 @@ def diagnose(
 
 def _arch(profile: Profile, gpu: GpuInfo, check: str) -> list[Finding]:
     if profile.cuda_arch and gpu.compute_cap != profile.cuda_arch:
-        return [Finding("warn", check, f"profile {profile.name} is sized for sm {profile.cuda_arch} ({profile.machine}); "
-                        f"GPU {gpu.index} is {gpu.compute_cap}")]
+        return [Finding("warn", check, f"profile {profile.name} is sized for sm {profile.cuda_arch} "
+                        f"({profile.machine}); GPU {gpu.index} is {gpu.compute_cap}")]
     return []
 
 
@@ -384,9 +386,8 @@ def weights_size(settings, profile: Profile) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from entrypoint.settings import load_settings, load_settings_profile
-
     from entrypoint.launch import resolve_on_this_host
+    from entrypoint.settings import load_settings, load_settings_profile
 
     settings = load_settings(profile=args.profile)
     profile = load_settings_profile(settings)

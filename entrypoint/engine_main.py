@@ -4,7 +4,8 @@
 its parent (the supervisor) dies, keeps the supervisor's stop signal (SIGUSR1) from ending it
 before the app handles it, then runs ``vllm.entrypoints.openai.api_server`` as ``__main__``
 with the same arguments; with ``--headless`` (a worker host of a multi-host profile) it runs
-vLLM's headless serve instead: its share of the GPUs, no API server. The processes vLLM starts from here (its engine core and workers:
+vLLM's headless serve instead: its share of the GPUs, no API server. The processes vLLM
+starts from here (its engine core and workers:
 spawned on CPU, forked on CUDA) are ended by the supervisor's reaper when the supervisor dies
 (`entrypoint.lifecycle.start_reaper`), and by its process-group sweep when this one does.
 """

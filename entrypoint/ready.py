@@ -37,6 +37,7 @@ from entrypoint.lifecycle import is_running, port_answers, process_start_time
 from entrypoint.profiles import Profile
 from entrypoint.settings import Settings
 
+
 @dataclass
 class ReadyReport:
     ready: bool

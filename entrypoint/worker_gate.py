@@ -97,7 +97,8 @@ class WorkerGate:
             if stopping() or not alive():
                 return 1
             if waited > self.settings.ready_timeout:
-                error = f"the head {self.head} did not answer within {self.settings.ready_timeout:.0f} s (READY_TIMEOUT)"
+                timeout = self.settings.ready_timeout
+                error = f"the head {self.head} did not answer within {timeout:.0f} s (READY_TIMEOUT)"
                 publish(self._report(False, waited, error))
                 print(f"qwen38: ready: {error}; stopping the engine (fail closed)", file=sys.stderr, flush=True)
                 stop(error)

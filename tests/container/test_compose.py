@@ -26,7 +26,8 @@ pytestmark = pytest.mark.container
 
 ONE_GPU_PROFILES = ["single", "long", "spark-lora"]
 IMAGE_OF = {
-    "single": "rtx3090", "long": "rtx3090", "dual": "rtx3090", "spark-lora": "spark", "spark-pair": "spark", "cpu": "cpu"
+    "single": "rtx3090", "long": "rtx3090", "dual": "rtx3090", "spark-lora": "spark", "spark-pair": "spark",
+    "cpu": "cpu",
 }  # fmt: skip
 # Host-networked servers (the hosts of `spark-pair`): no published port, no compose network.
 HOST_NETWORK = {"spark-pair"}
@@ -176,7 +177,9 @@ def test_multi_gpu_servers_read_the_link_knobs_and_one_gpu_servers_do_not(config
 
 
 # One .env per host: the same but for NODE_ADDRESS, which only the worker sets.
-PAIR_ENV = {"HEAD_ADDRESS": "192.168.100.10", "NETWORK_INTERFACE": "enp1s0f1np1", "RDMA_DEVICES": "rocep1s0f1,roceP2p1s0f1"}
+PAIR_ENV = {
+    "HEAD_ADDRESS": "192.168.100.10", "NETWORK_INTERFACE": "enp1s0f1np1", "RDMA_DEVICES": "rocep1s0f1,roceP2p1s0f1"
+}  # fmt: skip
 WORKER_ENV = {**PAIR_ENV, "NODE_ADDRESS": "192.168.100.11"}
 
 
@@ -200,7 +203,8 @@ def test_the_pair_is_a_head_and_a_worker_profile_on_host_networks_with_the_rdma_
         assert service["devices"] == [{"source": "/dev/infiniband", "target": "/dev/infiniband", "permissions": "rwm"}]
         (reservation,) = service["deploy"]["resources"]["reservations"]["devices"]
         assert reservation["device_ids"] == ["0"] and env["CUDA_VISIBLE_DEVICES"] == "0"
-        assert service["command"] == ["serve"] and service["healthcheck"]["test"] == ["CMD", "qwen38", "ready", "--quick"]
+        assert service["command"] == ["serve"]
+        assert service["healthcheck"]["test"] == ["CMD", "qwen38", "ready", "--quick"]
         assert service["image"].split("@")[0].endswith("-spark") and service["platform"] == "linux/arm64"
         mounts = {v["target"]: v for v in service["volumes"]}
         assert mounts["/models"].get("read_only") is True

@@ -256,4 +256,5 @@ def test_a_pair_host_with_the_wrong_address_missing_knobs_or_absent_rdma_is_told
         "interface"].detail
     assert wrong["rdma"].level == "warn" and "NCCL would fall back to TCP sockets" in wrong["rdma"].detail
     bare = pair_findings(tmp_path / "b", "192.168.100.10", head_address=None, network_interface=None)
-    assert bare["hosts"].level == "blocker" and "set HEAD_ADDRESS, NETWORK_INTERFACE on the head" in bare["hosts"].detail
+    assert bare["hosts"].level == "blocker"
+    assert "set HEAD_ADDRESS, NETWORK_INTERFACE on the head" in bare["hosts"].detail

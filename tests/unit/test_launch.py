@@ -17,7 +17,7 @@ from entrypoint.profiles import load_profile, profile_names
 from entrypoint.resolve import resolve
 from entrypoint.settings import Settings
 from tests.conftest import clean_env, run_cli
-from tests.support.plans import PAIR_HEAD, PAIR_WORKER
+from tests.support.plans import PAIR_HEAD
 
 KEY = SecretStr("s3cret-" + "k" * 20)
 

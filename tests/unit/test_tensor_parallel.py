@@ -60,7 +60,8 @@ def test_without_a_reading_the_link_counts_as_pcie_and_both_peer_paths_stay_off(
 def test_a_pcie_matrix_keeps_them_off_and_an_nvlink_matrix_turns_them_on():
     pcie = link_between(parse_topology(smi.PCIE_PAIR), [0, 1])
     resolved, inv = render("dual", pcie)
-    assert resolved.parallel.link_origin == "nvidia-smi topo -m: GPU0 <-> GPU1: PHB = PCIe through the CPU's host bridge"
+    origin = "nvidia-smi topo -m: GPU0 <-> GPU1: PHB = PCIe through the CPU's host bridge"
+    assert resolved.parallel.link_origin == origin
     assert inv.config["disable-custom-all-reduce"] is True and inv.env["NCCL_P2P_DISABLE"] == "1"
     nvlink = link_between(parse_topology(smi.NVLINK_PAIR), [0, 1])
     resolved, inv = render("dual", nvlink)
