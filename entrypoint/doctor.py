@@ -153,28 +153,21 @@ def memory_finding(
 
 def diagnose(
     profile: Profile,
+    resolved: ResolvedEngine,
     *,
-    cuda_visible_devices: str | None,
     cache_dir: Path,
     weights_bytes: int,
     run: Runner = run_command,
     cuda_home: Path | None = None,
     cuda_runtime: str | None = None,
-    resolved: ResolvedEngine | None = None,
     environ: Mapping[str, str] | None = None,
     sys_root: Path = Path("/"),
 ) -> list[Finding]:
     """Every check for ``profile`` on this machine (I/O through ``run`` and the paths).
 
-    ``resolved`` is the engine as the settings resolve it (default: the profile with no
-    override): its devices, pool and parallelism; ``environ`` the environment the engine
-    inherits (default: this process's)."""
-    from entrypoint.resolve import resolve
-    from entrypoint.settings import Settings
-
-    if resolved is None:
-        resolved = resolve(profile, Settings(_env_file=None, profile=profile.name,
-                                             cuda_visible_devices=cuda_visible_devices))
+    ``resolved`` is the engine as the settings resolve it on this host (its GPUs, pool and
+    parallelism: `entrypoint.launch.resolve_on_this_host`); ``environ`` the environment the
+    engine inherits (default: this process's)."""
     environ = os.environ if environ is None else environ
     findings: list[Finding] = []
     if profile.platform == "cuda":
@@ -393,10 +386,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     profile = load_settings_profile(settings)
     findings = diagnose(
         profile,
-        cuda_visible_devices=settings.cuda_visible_devices,
+        resolve_on_this_host(profile, settings),
         cache_dir=settings.cache_dir,
         weights_bytes=weights_size(settings, profile),
-        resolved=resolve_on_this_host(profile, settings),
     )
     for finding in findings:
         print(finding.line())

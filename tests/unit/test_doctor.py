@@ -37,6 +37,14 @@ def toolkit(root: Path, curand: bool = True) -> Path:
     return root / "cuda"
 
 
+def resolved(name: str, **values):
+    """The profile's engine as a user without overrides resolves it."""
+    from entrypoint.resolve import resolve
+    from tests.support.plans import user_settings
+
+    return resolve(load_profile(name), user_settings(name, **values))
+
+
 def levels(findings) -> dict[str, str]:
     return {f.check: f.level for f in findings}
 
@@ -48,7 +56,7 @@ def test_parsers_read_nvidia_smi_csv():
 
 
 def test_a_free_3090_is_ready_for_single(tmp_path):
-    findings = diagnose(load_profile("single"), cuda_visible_devices="0", cache_dir=tmp_path / "cache",
+    findings = diagnose(load_profile("single"), resolved("single"), cache_dir=tmp_path / "cache",
                         weights_bytes=15 * GIB, run=fake_nvidia_smi(SMI_3090), cuda_home=toolkit(tmp_path),
                         cuda_runtime="13.0")
     assert levels(findings) == {"gpu": "ok", "driver": "ok", "memory": "ok", "processes": "ok", "cuda": "ok",
@@ -56,12 +64,12 @@ def test_a_free_3090_is_ready_for_single(tmp_path):
 
 
 def test_a_stray_process_and_missing_curand_are_named(tmp_path):
-    findings = diagnose(load_profile("single"), cuda_visible_devices="0", cache_dir=tmp_path, weights_bytes=16 * GIB,
+    findings = diagnose(load_profile("single"), resolved("single"), cache_dir=tmp_path, weights_bytes=16 * GIB,
                         run=fake_nvidia_smi(SMI_BUSY, "4242, llama-server, 22210\n"),
                         cuda_home=toolkit(tmp_path, curand=False), cuda_runtime="13.0")
     by = {f.check: f for f in findings}
     assert by["memory"].level == "blocker" and "2.1 GiB free" in by["memory"].detail
-    tight = diagnose(load_profile("single"), cuda_visible_devices="0", cache_dir=tmp_path, weights_bytes=18 * GIB,
+    tight = diagnose(load_profile("single"), resolved("single"), cache_dir=tmp_path, weights_bytes=18 * GIB,
                      run=fake_nvidia_smi(SMI_3090), cuda_home=tmp_path / "cuda", cuda_runtime="13.0")
     assert levels(tight)["memory"] == "warn"
     assert by["processes"].level == "warn" and "llama-server (pid 4242, 22210 MiB)" in by["processes"].detail
@@ -75,7 +83,7 @@ def test_without_a_c_compiler_triton_cannot_run_and_that_is_a_blocker(tmp_path):
     def no_compilers(argv: list[str]) -> str | None:
         return None if argv[0] in ("gcc", "c++") else smi(argv)
 
-    findings = diagnose(load_profile("single"), cuda_visible_devices="0", cache_dir=tmp_path, weights_bytes=0,
+    findings = diagnose(load_profile("single"), resolved("single"), cache_dir=tmp_path, weights_bytes=0,
                         run=no_compilers, cuda_home=toolkit(tmp_path), cuda_runtime="13.0")
     by = {f.check: f for f in findings}
     assert by["c compiler"].level == "blocker" and "Triton" in by["c compiler"].detail
@@ -84,7 +92,7 @@ def test_without_a_c_compiler_triton_cannot_run_and_that_is_a_blocker(tmp_path):
 
 
 def test_the_spark_profile_on_a_3090_warns_about_the_arch(tmp_path):
-    findings = diagnose(load_profile("spark-lora"), cuda_visible_devices="0", cache_dir=tmp_path, weights_bytes=0,
+    findings = diagnose(load_profile("spark-lora"), resolved("spark-lora"), cache_dir=tmp_path, weights_bytes=0,
                         run=fake_nvidia_smi(SMI_3090), cuda_home=toolkit(tmp_path), cuda_runtime="13.0")
     assert levels(findings)["arch"] == "warn"
 
@@ -137,11 +145,10 @@ def dual_findings(tmp_path, run, environ=None, **values):
 
     profile = load_profile("dual")
     settings = user_settings("dual", **values)
-    resolved = resolve_on_this_host(profile, settings, run)
+    engine = resolve_on_this_host(profile, settings, run)
     home = toolkit(Path(tempfile.mkdtemp(dir=tmp_path)))
-    return {f.check: f for f in diagnose(profile, cuda_visible_devices=settings.cuda_visible_devices,
-                                         cache_dir=tmp_path, weights_bytes=18 * GIB, run=run, cuda_home=home,
-                                         cuda_runtime="13.0", resolved=resolved, environ=environ or {})}
+    return {f.check: f for f in diagnose(profile, engine, cache_dir=tmp_path, weights_bytes=18 * GIB, run=run,
+                                         cuda_home=home, cuda_runtime="13.0", environ=environ or {})}
 
 
 def test_dual_checks_both_gpus_against_their_share_and_the_pcie_link(tmp_path):
@@ -218,9 +225,6 @@ def spark_host(root: Path, interface: str = "enp1s0f1np1", state: str = "up", rd
 def pair_findings(tmp_path, address: str, **values):
     import json
 
-    from entrypoint.resolve import resolve
-    from tests.support.plans import user_settings
-
     smi = fake_nvidia_smi(SMI_SPARK)
     ip_json = json.dumps([{"ifname": "enp1s0f1np1", "addr_info": [{"family": "inet", "local": address}]}])
 
@@ -228,11 +232,10 @@ def pair_findings(tmp_path, address: str, **values):
         return ip_json if argv[:2] == ["ip", "-j"] else smi(argv)
 
     profile = load_profile("spark-pair")
-    resolved = resolve(profile, user_settings("spark-pair", **values))
     root = spark_host(tmp_path / "root")
-    return {f.check: f for f in diagnose(profile, cuda_visible_devices=None, cache_dir=tmp_path, weights_bytes=24 * GIB,
-                                         run=run, cuda_home=toolkit(tmp_path), cuda_runtime="13.0", resolved=resolved,
-                                         environ={}, sys_root=root)}
+    return {f.check: f for f in diagnose(profile, resolved("spark-pair", **values), cache_dir=tmp_path,
+                                         weights_bytes=24 * GIB, run=run, cuda_home=toolkit(tmp_path),
+                                         cuda_runtime="13.0", environ={}, sys_root=root)}
 
 
 def test_a_pair_host_checks_its_gpu_its_link_interface_address_and_rdma_devices(tmp_path):
