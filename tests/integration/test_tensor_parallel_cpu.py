@@ -3,7 +3,8 @@ the same executor `dual` and `spark-pair` use on GPUs (gloo instead of NCCL), st
 `qwen38 serve` and proven by the readiness gate and the API validator.
 
 - one host (`dual`'s shape): two worker processes of one engine; the planner's TP=2 pool is
-  the engine's, and every API answers;
+  the engine's, and every API answers (opt-in: QWEN38_ONE_HOST_TP_TEST=1, to keep `make test`
+  short; the two-host split runs the same executor and checks in every run);
 - two hosts on one machine (`spark-pair`'s shape): a head (node rank 0, the API and rank 0)
   and a headless worker host (node rank 1) meeting over HEAD_ADDRESS:HEAD_PORT on loopback
   (the worker on 127.0.0.2, its own address); the pair answers through the head, the worker's
@@ -14,6 +15,7 @@ the same executor `dual` and `spark-pair` use on GPUs (gloo instead of NCCL), st
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -40,6 +42,11 @@ def _validate_apis(server) -> dict:
     return report
 
 
+@pytest.mark.skipif(
+    os.environ.get("QWEN38_ONE_HOST_TP_TEST") != "1",
+    reason="opt-in (~100 s, set QWEN38_ONE_HOST_TP_TEST=1): the head and worker split below runs the same "
+    "executor over two processes, with the TP=2 plan, every API and the worker's gate, in every run",
+)
 def test_two_cpu_workers_of_one_host_serve_every_api_and_the_plan_is_the_engines(tiny_root, api_key_file, tmp_path):
     profiles = tensor_parallel_profiles(tmp_path / "profiles")
     server = wait_ready(launch_server(tmp_path, tiny_root, api_key_file, "cpu-tp2", PROFILES_DIR=str(profiles),
