@@ -8,7 +8,8 @@ the vLLM tree first, so the same request is answered by either version of
 What is ours is only how the per-layer KV-cache specs are built from config.json
 files, the way the model runner would build them on the GPU: one FullAttentionSpec
 per target attention layer, one MambaSpec per GDN layer (shapes and dtypes from the
-model class), one SlidingWindowSpec or FullAttentionSpec per drafter layer, each
+model class), one SlidingWindowSpec or FullAttentionSpec per drafter layer, all per GPU
+(with tensor parallelism each GPU holds 1/TP of the heads and of the state), each
 shaped by the attention backend the GPU would select (its block-size preference,
 kernel block sizes, page customisation). Block-size alignment, grouping, page
 unification, the pool division, the capacity and the admission check are vLLM's
@@ -61,6 +62,8 @@ def plan_request(request: dict[str, Any]) -> dict[str, Any]:
         kv_cache_dtype=engine["kv_cache_dtype"],
         mamba_ssm_cache_dtype=engine["mamba_ssm_cache_dtype"],
         dtype=engine["dtype"],
+        # Each GPU holds 1/TP of the KV heads and of the GDN state: vLLM's per-GPU specs follow.
+        tensor_parallel_size=engine.get("tensor_parallel_size", 1),
     )
     if engine.get("block_size"):
         kwargs["block_size"] = engine["block_size"]
@@ -270,10 +273,12 @@ def _layer_specs(config, backend, drafter_backend) -> dict[str, Any]:
             hf = spec_config.draft_model_config.hf_config
             draft_types = list(getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers)
             draft_head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+            # The drafter's heads split over its own TP size (the target's, unless set).
+            draft_kv_heads = spec_config.draft_model_config.get_num_kv_heads(spec_config.draft_parallel_config)
             for index, kind in enumerate(draft_types):
                 window = hf.sliding_window if kind == "sliding_attention" else None
                 specs[f"model.layers.{first + index}.self_attn.attn"] = attention(
-                    drafter_backend, hf.num_key_value_heads, draft_head, window
+                    drafter_backend, draft_kv_heads, draft_head, window
                 )
         elif spec_config.method not in ("ngram", "ngram_gpu", "suffix"):
             raise ValueError(f"the planner does not model speculative method {spec_config.method!r}")
@@ -285,10 +290,12 @@ def _capacity(config, specs: dict[str, Any]) -> dict[str, Any]:
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
-    pool = config.cache_config.kv_cache_memory_bytes
+    pool = config.cache_config.kv_cache_memory_bytes  # per GPU: every worker pins it for itself
+    workers = config.parallel_config.world_size
     refusal = None
     try:
-        kv_cache_utils.get_kv_cache_configs(config, [dict(specs)], [pool])
+        # As the engine core asks it: one spec dict and one pool per worker (all alike here).
+        kv_cache_utils.get_kv_cache_configs(config, [dict(specs) for _ in range(workers)], [pool] * workers)
     except (ValueError, NotImplementedError) as exc:
         refusal = f"{type(exc).__name__}: {exc}"
     try:

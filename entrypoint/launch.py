@@ -31,8 +31,9 @@ from entrypoint.asgi import API_KEY_ENV, MIDDLEWARE_PATH
 from entrypoint.drain import DRAIN_ENV, ENGINE_GRACE_S
 from entrypoint.errors import SettingsError
 from entrypoint.profiles import Profile
-from entrypoint.resolve import ResolvedEngine, resolve
+from entrypoint.resolve import ResolvedEngine, check_multi_host, resolve
 from entrypoint.settings import Settings, load_settings, load_settings_profile, read_api_key
+from entrypoint.toolchain import Runner
 
 ENGINE_MODULE = "entrypoint.engine_main"  # vLLM's OpenAI server, tied to the supervisor's life
 MASK = "********"
@@ -89,6 +90,16 @@ COMPILE_IGNORED = {
     "lora.base_model_name": "which adapter, not its shape",
     "shutdown_timeout": "how long a stop waits, not what runs",
     "overridden": "where a value came from, not the value",
+    "devices": "which GPUs, not what runs on them",
+    "parallel.link": "what it decides (custom_all_reduce, nccl_p2p) is keyed instead",
+    "parallel.link_origin": "where a value came from, not the value",
+    "parallel.node_rank": "each host keeps its own cache (vLLM keys its artifacts by rank inside)",
+    "parallel.head_address": "where the hosts are, not what they compile",
+    "parallel.head_port": "where the hosts are, not what they compile",
+    "parallel.node_address": "where the hosts are, not what they compile",
+    "parallel.network_interface": "where the hosts are, not what they compile",
+    "parallel.rdma_devices": "where the hosts are, not what they compile",
+    "parallel.nccl_log_level": "NCCL's log level",
 }
 
 
@@ -169,6 +180,8 @@ def _engine_config(resolved: ResolvedEngine, settings: Settings) -> dict[str, An
             spec_config["attention_backend"] = spec.attention_backend
         config["speculative-config"] = spec_config
 
+    config.update(_parallel_config(resolved))
+
     lora = resolved.lora
     if lora is not None:
         config["enable-lora"] = True
@@ -180,6 +193,46 @@ def _engine_config(resolved: ResolvedEngine, settings: Settings) -> dict[str, An
 
     config.update(resolved.extra)
     return config
+
+
+def _parallel_config(resolved: ResolvedEngine) -> dict[str, Any]:
+    """vLLM's own tensor parallelism: its multiprocessing executor, in one host or across hosts
+    (never Ray, which the images do not ship and vLLM 0.28.0 does not need for either)."""
+    par = resolved.parallel
+    if par is None:
+        return {}
+    config: dict[str, Any] = {"tensor-parallel-size": par.tensor_parallel_size, "distributed-executor-backend": "mp"}
+    if not par.custom_all_reduce:
+        config["disable-custom-all-reduce"] = True
+    if par.nodes > 1:
+        config.update(
+            {"nnodes": par.nodes, "node-rank": par.node_rank, "master-addr": par.head_address,
+             "master-port": par.head_port}
+        )  # fmt: skip
+    return config
+
+
+def parallel_env(resolved: ResolvedEngine) -> dict[str, str]:
+    """The environment NCCL, gloo and vLLM read for the links between the GPUs."""
+    par = resolved.parallel
+    env: dict[str, str] = {}
+    if resolved.platform == "cuda":
+        # CUDA's own order is fastest-first; nvidia-smi, Docker and these settings count in PCI
+        # bus order: with two different cards vLLM would otherwise open another GPU than named.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    if par is None:
+        return env
+    if not par.nccl_p2p:
+        env["NCCL_P2P_DISABLE"] = "1"
+    if par.nodes > 1:
+        env["VLLM_HOST_IP"] = par.node_address or ""
+        env["NCCL_SOCKET_IFNAME"] = par.network_interface or ""
+        env["GLOO_SOCKET_IFNAME"] = par.network_interface or ""
+        if par.rdma_devices:
+            env["NCCL_IB_HCA"] = par.rdma_devices
+    if par.nccl_log_level:
+        env["NCCL_DEBUG"] = par.nccl_log_level
+    return env
 
 
 def vllm_cache_root(cache_dir: Path, resolved: ResolvedEngine) -> Path:
@@ -201,8 +254,9 @@ def _engine_env(resolved: ResolvedEngine, settings: Settings, api_key: SecretStr
         "DO_NOT_TRACK": "1",
         DRAIN_ENV: str(resolved.shutdown_timeout),
     }
-    if resolved.platform == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = settings.cuda_visible_devices
+    if resolved.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = resolved.devices
+    env.update(parallel_env(resolved))
     env.update(resolved.env)
     if api_key is not None:
         # Our guard's variable, not VLLM_API_KEY: vLLM would install its own narrower check beside it.
@@ -228,9 +282,12 @@ def render_invocation(
             "or VLLM_API_KEY"
         )
     resolved = resolved or resolve(profile, settings)
+    check_multi_host(resolved)
     cache_key = compile_cache_key(resolved)
     config_path = run_dir(settings) / f"{profile.name}.vllm.yaml"
-    argv = [python, "-m", ENGINE_MODULE, "--config", str(config_path)]
+    # A worker host runs its share of the GPUs headless: no API server (vLLM --headless).
+    headless = ["--headless"] if resolved.parallel is not None and resolved.parallel.headless else []
+    argv = [python, "-m", ENGINE_MODULE, *headless, "--config", str(config_path)]
     return Invocation(
         argv=argv,
         env=_engine_env(resolved, settings, api_key),
@@ -249,9 +306,29 @@ def load(args: argparse.Namespace) -> tuple[Profile, Settings, SecretStr | None]
     return load_settings_profile(settings), settings, read_api_key(settings)
 
 
+def resolve_on_this_host(profile: Profile, settings: Settings, run: Runner | None = None) -> ResolvedEngine:
+    """`resolve` with the link between the profile's GPUs as this host's nvidia-smi reports it
+    (one-host multi-GPU profiles with GPU_LINK=auto; a matrix that cannot be read counts as PCIe,
+    the safe side, and says so). ``run`` runs nvidia-smi (default: `run_command`)."""
+    from entrypoint.toolchain import run_command
+    from entrypoint.topology import TopologyError, read_link
+
+    run = run or run_command
+    first = resolve(profile, settings)
+    par = first.parallel
+    if par is None or par.nodes > 1 or settings.gpu_link != "auto" or first.devices is None:
+        return first
+    try:
+        reading = read_link(first.devices, run)
+    except TopologyError as exc:
+        print(f"qwen38: topology: {exc}; assuming PCIe (set GPU_LINK to say)", file=sys.stderr)
+        return first
+    return resolve(profile, settings, reading) if reading is not None else first
+
+
 def _cmd_render(args: argparse.Namespace) -> int:
     profile, settings, key = load(args)
-    invocation = render_invocation(profile, settings, key)
+    invocation = render_invocation(profile, settings, key, resolved=resolve_on_this_host(profile, settings))
     public = invocation.public()
     if args.json:
         print(json.dumps(public, indent=2))

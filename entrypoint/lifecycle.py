@@ -278,6 +278,15 @@ def start_reaper(instance: str, record_file: Path | None = None) -> int:
     return write_end
 
 
+def port_answers(address: str, port: int, timeout: float = 2.0) -> bool:
+    """Whether something accepts a TCP connection at ``address:port``."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def check_address_free(host: str, port: int) -> None:
     """Refuse a start whose address another process already listens on (before loading a weight)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -64,6 +64,18 @@ PLAN_IGNORED = {
     "lora.path": "which adapter, not its shape",
     "lora.base_model_name": "which adapter, not its shape",
     "overridden": "where a value came from, not the value",
+    "devices": "which GPUs, not their shape",
+    "parallel.node_rank": "every host holds the same share",
+    "parallel.link": "how the GPUs talk, not what they keep",
+    "parallel.link_origin": "where a value came from, not the value",
+    "parallel.custom_all_reduce": "how the GPUs talk, not what they keep",
+    "parallel.nccl_p2p": "how the GPUs talk, not what they keep",
+    "parallel.head_address": "where the hosts are, not what they keep",
+    "parallel.head_port": "where the hosts are, not what they keep",
+    "parallel.node_address": "where the hosts are, not what they keep",
+    "parallel.network_interface": "where the hosts are, not what they keep",
+    "parallel.rdma_devices": "where the hosts are, not what they keep",
+    "parallel.nccl_log_level": "NCCL's log level",
 }
 
 
@@ -138,20 +150,25 @@ class Plan(BaseModel):
     fits_with_all_slots_busy: bool
     max_model_len: int
     max_num_seqs: int
-    pool_bytes: int
+    pool_bytes: int  # per GPU
     speculative_tokens: int
     prefix_caching: bool
     serving: Capacity
     variants: dict[str, Capacity]
     model_configs: dict[str, str]
     reused: bool = False  # read from the plan cache, not computed by this call
+    tensor_parallel_size: int = 1  # GPUs each layer is split over; the pool is each one's
+
+    def pool_text(self) -> str:
+        each = " on each of its GPUs" if self.tensor_parallel_size > 1 else ""
+        return f"{self.pool_bytes:,}-byte KV pool{each}"
 
     def refusal_line(self) -> str:
         """One line for the launcher when the profile cannot fit."""
         cap = self.serving
         return (
             f"profile {self.profile}: a {self.max_model_len:,}-token request does not fit the "
-            f"{self.pool_bytes:,}-byte KV pool ({'patched' if self.patched else 'stock'} vLLM): "
+            f"{self.pool_text()} ({'patched' if self.patched else 'stock'} vLLM): "
             f"the pool holds {self.pool_tokens:,} tokens at this layout, "
             f"max_model_len that fits is {cap.max_model_len_that_fits or 0:,}; "
             "lower MAX_MODEL_LEN or raise KV_CACHE_MEMORY_BYTES"
@@ -216,6 +233,7 @@ def build_request(resolved: ResolvedEngine, configs: ModelConfigs, workdir: Path
             "mamba_ssm_cache_dtype": resolved.mamba_ssm_cache_dtype,
             "dtype": resolved.dtype,
             "block_size": resolved.block_size,
+            "tensor_parallel_size": resolved.parallel.tensor_parallel_size if resolved.parallel else 1,
         },
         "target_dir": shape_only_copy(configs.target, workdir / "target"),
         "speculative": None,
@@ -445,6 +463,7 @@ def _assemble(
         max_model_len=resolved.max_model_len,
         max_num_seqs=resolved.max_num_seqs,
         pool_bytes=resolved.kv_cache_memory_bytes or 0,
+        tensor_parallel_size=resolved.parallel.tensor_parallel_size if resolved.parallel else 1,
         speculative_tokens=resolved.speculative.num_speculative_tokens if resolved.speculative else 0,
         prefix_caching=resolved.enable_prefix_caching,
         serving=chosen,
@@ -480,7 +499,9 @@ def render_plan(plan: Plan) -> str:
     spec = f"speculation {plan.speculative_tokens} tokens" if plan.speculative_tokens else "no speculation"
     lines = [
         f"profile {plan.profile}: {plan.max_model_len:,}-token context, {plan.max_num_seqs} slots, "
-        f"KV pool {plan.pool_bytes:,} B, prefix caching {'on' if plan.prefix_caching else 'off'}, {spec}"
+        f"KV pool {plan.pool_bytes:,} B"
+        + (f" per GPU x {plan.tensor_parallel_size} GPUs" if plan.tensor_parallel_size > 1 else "")
+        + f", prefix caching {'on' if plan.prefix_caching else 'off'}, {spec}"
         + (" (plan reused)" if plan.reused else ""),
     ]
     order = ["patched", "stock"] if plan.patched else ["stock", "patched"]

@@ -138,6 +138,35 @@ class Lora(_Strict):
     max_loras: int = Field(default=1, ge=1, le=8)
 
 
+class Parallel(_Strict):
+    """vLLM's own tensor parallelism: every layer split over several GPUs, in one host or several.
+
+    vLLM's multiprocessing executor runs one worker per GPU; across hosts (``nodes`` > 1) the
+    head runs the API and its share of the workers, each other host runs its share headless
+    (vLLM's ``--nnodes``/``--node-rank``/``--headless``). The KV pool (``kv_cache_memory_bytes``)
+    is per GPU, and so are the KV heads and recurrent state vLLM keeps in it.
+    """
+
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=8, description="GPUs each layer is split over (vLLM --tensor-parallel-size)."
+    )
+    nodes: int = Field(
+        default=1, ge=1, le=8, description="Hosts the GPUs are in (vLLM --nnodes); each holds the same number."
+    )
+
+    @model_validator(mode="after")
+    def _even_split(self) -> Parallel:
+        if self.tensor_parallel_size % self.nodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} cannot be split evenly over {self.nodes} nodes"
+            )
+        return self
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nodes
+
+
 class Engine(_Strict):
     """vLLM engine arguments (long-form names with `_`; rendered with `-`)."""
 
@@ -215,6 +244,7 @@ class Profile(_Strict):
     engine: Engine
     speculative: Speculative | None = None
     lora: Lora | None = None
+    parallel: Parallel = Field(default_factory=Parallel)
     env: dict[str, str] = Field(default_factory=dict, description="Environment for vLLM.")
     capacity: Capacity = Field(default_factory=Capacity)
 
@@ -277,8 +307,12 @@ def render_profiles_table(directory: Path = PROFILES_DIR) -> str:
             if spec
             else "none"
         )
+        par = p.parallel
+        machine = p.machine if par.tensor_parallel_size == 1 else f"{par.tensor_parallel_size}x {p.machine}"
+        if par.nodes > 1:
+            machine += f" ({par.nodes} hosts)"
         rows.append(
-            f"| `{name}` | {p.machine} | {p.engine.max_model_len:,} | {p.engine.max_num_seqs} | "
+            f"| `{name}` | {machine} | {p.engine.max_model_len:,} | {p.engine.max_num_seqs} | "
             f"{p.engine.kv_cache_dtype}{', prefix caching' if p.engine.enable_prefix_caching else ''} | "
             f"{spec_text} | {', '.join(f'`{i}`' for i in p.model_ids)} |"
         )

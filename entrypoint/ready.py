@@ -33,9 +33,10 @@ from pydantic import SecretStr
 from entrypoint.canary import ask_canary
 from entrypoint.client import StackClient
 from entrypoint.errors import ReadinessError
-from entrypoint.lifecycle import is_running, process_start_time
+from entrypoint.lifecycle import is_running, port_answers, process_start_time
 from entrypoint.profiles import Profile
 from entrypoint.settings import Settings
+
 
 @dataclass
 class ReadyReport:
@@ -52,6 +53,7 @@ class ReadyReport:
     pid: int | None = None  # the supervisor that wrote it
     ready_at: float | None = None  # epoch seconds when the gate passed
     watchdog: dict | None = None  # `entrypoint.watchdog.WatchdogState` once the gate passed
+    head: str | None = None  # a worker host's: the head HOST:PORT it follows (`entrypoint.worker_gate`)
 
 
 def wait_for_health(client: StackClient, timeout: float, alive: Callable[[], bool] = lambda: True) -> float:
@@ -273,6 +275,12 @@ def _cmd_ready(args: argparse.Namespace) -> int:
             if status.get("watchdog"):  # the gate passed; the watchdog found a problem since
                 raise ReadinessError(f"unhealthy: {status.get('error')}")
             raise ReadinessError(f"readiness gate failed: {status.get('error')}")
+        if status.get("head"):  # a worker host serves no API: its head must still answer
+            address, _, port = status["head"].rpartition(":")
+            if not port_answers(address, int(port)):
+                raise ReadinessError(f"the head {status['head']} does not answer")
+            print("ready")
+            return 0
         with StackClient(base_url, secret) as client:
             if not client.health():
                 raise ReadinessError(f"{base_url}/health does not answer 200")

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from entrypoint.errors import ProfileError, SettingsError
 from entrypoint.profiles import Profile
 from entrypoint.settings import Settings
+from entrypoint.topology import LinkReading
 
 # What the user can override, and the knob (environment name) that does it.
 KNOBS = {
@@ -73,6 +74,29 @@ class ResolvedLora(_Frozen):
     max_loras: int
 
 
+class ResolvedParallel(_Frozen):
+    """Tensor parallelism as the engine runs it: how many GPUs, where, and how they talk."""
+
+    tensor_parallel_size: int
+    nodes: int
+    node_rank: int  # 0: the head (API server); 1..: a headless worker host
+    link: Literal["pcie", "nvlink", "network"]  # between the GPUs: in one host, or between hosts
+    link_origin: str  # where `link` came from, for messages
+    custom_all_reduce: bool  # vLLM's own all-reduce kernel (else NCCL's)
+    nccl_p2p: bool  # NCCL's peer-to-peer transport inside a host (False: NCCL_P2P_DISABLE=1)
+    head_address: str | None  # multi-host: the head's IP on the link (vLLM --master-addr)
+    head_port: int | None  # multi-host: torch.distributed's rendezvous port (vLLM --master-port)
+    node_address: str | None  # multi-host: this host's IP on the link (VLLM_HOST_IP)
+    network_interface: str | None  # multi-host: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME
+    rdma_devices: str | None
+    nccl_log_level: str | None
+
+    @property
+    def headless(self) -> bool:
+        """A worker host: vLLM runs its share of the GPUs and no API server."""
+        return self.node_rank > 0
+
+
 class ResolvedEngine(_Frozen):
     """Everything the engine of one command will run with, after the user's overrides."""
 
@@ -109,6 +133,8 @@ class ResolvedEngine(_Frozen):
     extra: dict[str, Any]  # the profile's verbatim vLLM arguments, long-form names with `-`
     speculative: ResolvedSpeculative | None
     lora: ResolvedLora | None
+    devices: str | None  # CUDA_VISIBLE_DEVICES (numbered in PCI bus order); None on CPU
+    parallel: ResolvedParallel | None  # None: one GPU (or one CPU worker)
     env: dict[str, str]  # the profile's environment for vLLM
     overridden: tuple[str, ...]  # the KNOBS the user set (for messages: where a value came from)
 
@@ -142,7 +168,7 @@ class ResolvedEngine(_Frozen):
 
 def field_paths() -> list[str]:
     """Every field of ResolvedEngine, nested ones as ``parent.child``."""
-    nested = {"speculative": ResolvedSpeculative, "lora": ResolvedLora}
+    nested = {"speculative": ResolvedSpeculative, "lora": ResolvedLora, "parallel": ResolvedParallel}
     paths = []
     for name in ResolvedEngine.model_fields:
         paths.append(name)
@@ -195,8 +221,104 @@ def cudagraph_capture_limit(profile: Profile, max_num_seqs: int, speculative: Re
     return max_num_seqs * width
 
 
-def resolve(profile: Profile, settings: Settings) -> ResolvedEngine:
-    """Apply the user's overrides to the profile; refuse ones it cannot honour (one line each)."""
+def _devices(profile: Profile, settings: Settings) -> str | None:
+    """CUDA_VISIBLE_DEVICES: the user's, else the first GPUs the profile needs on this host."""
+    if profile.platform != "cuda":
+        return None
+    needed = profile.parallel.gpus_per_node
+    if settings.cuda_visible_devices is None:
+        return ",".join(str(index) for index in range(needed))
+    named = settings.cuda_visible_devices.split(",")
+    if len(named) < needed:
+        example = ",".join(str(index) for index in range(needed))
+        raise SettingsError(
+            f"CUDA_VISIBLE_DEVICES={settings.cuda_visible_devices}: profile {profile.name} splits every layer over "
+            f"{needed} GPUs of this host (tensor_parallel_size {profile.parallel.tensor_parallel_size}); "
+            f"name {needed}, e.g. CUDA_VISIBLE_DEVICES={example}, or leave it empty"
+        )
+    return settings.cuda_visible_devices
+
+
+def _link(profile: Profile, settings: Settings, detected: LinkReading | None) -> tuple[str, str]:
+    """The link between the profile's GPUs and where that answer came from."""
+    if profile.parallel.nodes > 1:
+        return "network", f"{profile.parallel.nodes} hosts"
+    if settings.gpu_link != "auto":
+        return settings.gpu_link, f"GPU_LINK={settings.gpu_link}"
+    if detected is not None:
+        return detected.kind, f"nvidia-smi topo -m: {detected.summary()}"
+    return "pcie", "assumed PCIe (GPU_LINK=auto and nvidia-smi topo -m was not read)"
+
+
+def _parallel(profile: Profile, settings: Settings, detected: LinkReading | None) -> ResolvedParallel | None:
+    par = profile.parallel
+    if settings.node_rank >= par.nodes:
+        where = "one host" if par.nodes == 1 else f"{par.nodes} hosts (ranks 0..{par.nodes - 1})"
+        raise SettingsError(f"NODE_RANK={settings.node_rank}: profile {profile.name} runs on {where}; set NODE_RANK=0")
+    if par.tensor_parallel_size == 1:
+        return None
+    link, origin = _link(profile, settings, detected)
+    if link == "network" and settings.custom_all_reduce:
+        raise SettingsError(
+            f"CUSTOM_ALL_REDUCE=true: profile {profile.name}'s GPUs are in {par.nodes} hosts; vLLM's custom "
+            "all-reduce sums between GPUs of one host (over NVLink or PCIe peer access); unset CUSTOM_ALL_REDUCE"
+        )
+    custom = settings.custom_all_reduce if settings.custom_all_reduce is not None else link == "nvlink"
+    p2p = settings.nccl_p2p if settings.nccl_p2p is not None else link != "pcie"
+    multi_host = par.nodes > 1  # where the hosts meet: checked by `check_multi_host` before a launch
+    return ResolvedParallel(
+        tensor_parallel_size=par.tensor_parallel_size,
+        nodes=par.nodes,
+        node_rank=settings.node_rank,
+        link=link,
+        link_origin=origin,
+        custom_all_reduce=custom,
+        nccl_p2p=p2p,
+        head_address=settings.head_address if multi_host else None,
+        head_port=settings.head_port if multi_host else None,
+        # The head's own address is the head address; a worker must say its own.
+        node_address=(settings.node_address or (settings.head_address if settings.node_rank == 0 else None))
+        if multi_host
+        else None,
+        network_interface=settings.network_interface if multi_host else None,
+        rdma_devices=settings.rdma_devices if multi_host else None,
+        nccl_log_level=settings.nccl_log_level,
+    )
+
+
+def check_multi_host(resolved: ResolvedEngine) -> None:
+    """A multi-host engine needs the link's addresses and interface before it can start (the
+    planner does not: the KV arithmetic is the same wherever the hosts are)."""
+    par = resolved.parallel
+    if par is None or par.nodes == 1:
+        return
+    needed = [("HEAD_ADDRESS", par.head_address), ("NETWORK_INTERFACE", par.network_interface)]
+    if par.headless:  # the head's own address is HEAD_ADDRESS
+        needed.append(("NODE_ADDRESS", par.node_address))
+    missing = [knob for knob, value in needed if value is None]
+    if missing:
+        raise SettingsError(
+            f"profile {resolved.profile} runs on {par.nodes} hosts: set {', '.join(missing)} on "
+            f"{'this worker' if par.headless else 'the head'} (the link's addresses and interface; "
+            "`ip -br addr` lists them; docs/dual.md)"
+        )
+    if not par.headless and par.node_address != par.head_address:
+        raise SettingsError(
+            f"NODE_ADDRESS={par.node_address} on the head (NODE_RANK=0): the head's address is HEAD_ADDRESS="
+            f"{par.head_address}; unset NODE_ADDRESS here (it is the worker's own address)"
+        )
+    if par.headless and par.node_address == par.head_address:
+        raise SettingsError(
+            f"NODE_ADDRESS={par.node_address} on worker host {par.node_rank} is the head's address; set this "
+            "host's own address on the link"
+        )
+
+
+def resolve(profile: Profile, settings: Settings, detected_link: LinkReading | None = None) -> ResolvedEngine:
+    """Apply the user's overrides to the profile; refuse ones it cannot honour (one line each).
+
+    ``detected_link`` is what `nvidia-smi topo -m` reported between the profile's GPUs (read
+    at the edge, `entrypoint.topology`); with GPU_LINK=auto it picks the all-reduce defaults."""
     engine = profile.engine
     models_dir = Path(settings.models_dir)
     speculative = _speculative(profile, settings, models_dir)
@@ -265,9 +387,24 @@ def resolve(profile: Profile, settings: Settings) -> ResolvedEngine:
         extra={key.replace("_", "-"): value for key, value in engine.extra.items()},
         speculative=speculative,
         lora=lora,
+        devices=_devices(profile, settings),
+        parallel=_parallel(profile, settings, detected_link),
         env=dict(profile.env),
         overridden=tuple(name for name, value in overrides.items() if value is not None),
     )
+
+
+def check_allocator(resolved: ResolvedEngine, alloc_conf: str) -> None:
+    """Refuse PyTorch's expandable segments beside vLLM's custom all-reduce: it shares its
+    CUDA-graph buffers with cudaIpcGetMemHandle, which refuses that memory, and vLLM 0.28.0 does
+    not check (custom_all_reduce.py): the engine would die after graph capture."""
+    par = resolved.parallel
+    if par is not None and par.custom_all_reduce and "expandable_segments:True" in alloc_conf:
+        raise SettingsError(
+            f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf}: expandable segments cannot be shared by vLLM's custom "
+            f"all-reduce (profile {resolved.profile}, {par.link_origin}); drop expandable_segments:True or set "
+            "CUSTOM_ALL_REDUCE=false"
+        )
 
 
 # ---- what the model itself allows (from its config.json; pure) -------------------------

@@ -14,14 +14,15 @@ stops every engine process within the drain plus a fixed margin.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from entrypoint.errors import PlanError
-from entrypoint.launch import load, render_invocation, write_run_files
+from entrypoint.launch import load, render_invocation, resolve_on_this_host, write_run_files
 from entrypoint.model_configs import read_model_configs
 from entrypoint.plan import check_plannable, plan_engines
 from entrypoint.profiles import Profile
-from entrypoint.resolve import ResolvedEngine, resolve
+from entrypoint.resolve import ResolvedEngine, check_allocator
 from entrypoint.settings import Settings
 
 
@@ -60,14 +61,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from entrypoint.supervise import begin_start, check_interpreter, supervise
 
     profile, settings, key = load(args)
-    resolved = resolve(profile, settings)
-    start = begin_start(profile, settings)  # run lock, leftovers of a killed start, old verdict gone
+    resolved = resolve_on_this_host(profile, settings)
+    check_allocator(resolved, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    worker = resolved.parallel is not None and resolved.parallel.headless
+    # run lock, leftovers of a killed start, old verdict gone; a worker host listens on no API port
+    start = begin_start(profile, settings, serves_api=not worker)
     invocation = render_invocation(profile, settings, key, resolved=resolved)
     check_interpreter(invocation)
     identity = run_preflight(profile, settings, resolved)
     write_run_files(invocation)
-    gate = ready.Watcher(profile, settings, key, identity=identity, instance=start.instance)
-    print(f"qwen38: serving profile {profile.name} ({', '.join(profile.model_ids)}) on {gate.base_url}", flush=True)
+    if worker:
+        from entrypoint.worker_gate import WorkerGate
+
+        gate = WorkerGate(profile, settings, resolved, identity=identity)
+        print(f"qwen38: serving profile {profile.name} as worker host {resolved.parallel.node_rank} of "
+              f"{resolved.parallel.nodes} (no API here; head {gate.head})", flush=True)
+    else:
+        gate = ready.Watcher(profile, settings, key, identity=identity, instance=start.instance)
+        print(f"qwen38: serving profile {profile.name} ({', '.join(profile.model_ids)}) on {gate.base_url}", flush=True)
     return supervise(invocation, start, gate=None if args.no_ready_gate else gate.run)
 
 

@@ -32,11 +32,14 @@ SECTIONS = {
     "paths": "Where models and caches live",
     "overrides": "Per-deployment overrides of the profile (empty: the profile decides)",
     "runtime": "Start-up behaviour",
+    "parallel": "Several GPUs or hosts (`dual`, `spark-pair`: docs/dual.md); single-GPU profiles ignore these",
     "compose": "Containers: read by docker compose (compose.yaml), not by the server",
 }
 
 MIN_API_KEY_LENGTH = 16
 # An image reference: [registry/]name[:tag][@sha256:digest], lower-case name components.
+# A CUDA device as CUDA_VISIBLE_DEVICES and Docker name it: an index, a GPU UUID or a MIG UUID.
+GPU_ID = r"(\d+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-fA-F-/]+)"
 IMAGE_REFERENCE = r"^[a-z0-9]+([._/:-][a-z0-9]+)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$"
 
 
@@ -98,11 +101,15 @@ class Settings(BaseSettings):
         "Compile caches (vLLM, Triton, FlashInfer JIT), run files and the readiness status.",
     )
 
-    cuda_visible_devices: str = _knob(
-        "0",
+    cuda_visible_devices: str | None = _knob(
+        None,
         "serving",
-        "GPU(s) vLLM may use (GPU profiles). Always explicit: vLLM otherwise picks by free memory.",
-        pattern=r"^(\d+(,\d+)*|GPU-[0-9a-fA-F-]+|MIG-[0-9a-fA-F-/]+)$",
+        "GPU(s) vLLM may use (GPU profiles), numbered as nvidia-smi numbers them (the server sets "
+        "CUDA_DEVICE_ORDER=PCI_BUS_ID). Empty: the first the profile needs (0; 0,1 for `dual`). Always passed "
+        "explicitly: vLLM otherwise picks by free memory.",
+        example="",
+        shown="`0` (`0,1` for `dual`)",
+        pattern=rf"^{GPU_ID}(,{GPU_ID})*$",
     )
 
     max_model_len: int | None = _knob(
@@ -186,10 +193,82 @@ class Settings(BaseSettings):
         "an unhealthy check); `mark`: only mark it unhealthy (`qwen38 ready --quick` fails) until it recovers.",
     )
 
+    gpu_link: Literal["auto", "pcie", "nvlink"] = _knob(
+        "auto",
+        "parallel",
+        "How the GPUs of a one-host multi-GPU profile are linked; it picks the all-reduce defaults below. "
+        "`auto`: what `nvidia-smi topo -m` reports between them (PCIe when it cannot tell).",
+    )
+    custom_all_reduce: bool | None = _knob(
+        None,
+        "parallel",
+        "vLLM's custom all-reduce kernel between the GPUs (empty: on over NVLink, off over PCIe and between "
+        "hosts: over PCIe it trusts the driver's peer-to-peer report, and patched-P2P drivers are reported "
+        "to return wrong sums or hang).",
+        example="",
+    )
+    nccl_p2p: bool | None = _knob(
+        None,
+        "parallel",
+        "NCCL's direct GPU-to-GPU transport inside one host (empty: on over NVLink, off over PCIe, which sets "
+        "NCCL_P2P_DISABLE=1: NCCL then copies through host memory).",
+        example="",
+    )
+    node_rank: int = _knob(
+        0,
+        "parallel",
+        "This host's place in a multi-host profile: 0 the head (serves the API), 1.. a worker (no API).",
+        ge=0,
+        le=7,
+    )
+    head_address: str | None = _knob(
+        None,
+        "parallel",
+        "Multi-host: the head's IP address on the link between the hosts (vLLM --master-addr), the same "
+        "on every host.",
+        example="",
+    )
+    head_port: int = _knob(
+        29501,
+        "parallel",
+        "Multi-host: the head's TCP port for torch.distributed's rendezvous (vLLM --master-port).",
+        ge=1024,
+        le=65535,
+    )
+    node_address: str | None = _knob(
+        None,
+        "parallel",
+        "Multi-host: this host's IP address on the link (VLLM_HOST_IP; empty on the head: HEAD_ADDRESS). "
+        "vLLM otherwise takes the address of the default route, often the slower LAN port.",
+        example="",
+    )
+    network_interface: str | None = _knob(
+        None,
+        "parallel",
+        "Multi-host: the network interface of the link, e.g. enp1s0f1np1 on a DGX Spark "
+        "(NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME: NCCL's bootstrap and vLLM's CPU groups).",
+        example="",
+        pattern=r"^[A-Za-z0-9_.:-]{1,15}$",
+    )
+    rdma_devices: str | None = _knob(
+        None,
+        "parallel",
+        "Multi-host: the RDMA devices NCCL sends over (sets NCCL_IB_HCA), e.g. rocep1s0f1,roceP2p1s0f1 for "
+        "both halves of a Spark's port. Empty: NCCL picks.",
+        example="",
+        pattern=r"^\^?=?[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*$",
+    )
+    nccl_log_level: Literal["VERSION", "WARN", "INFO", "TRACE"] | None = _knob(
+        None,
+        "parallel",
+        "NCCL's log level (sets NCCL_DEBUG); INFO shows the transport each link uses (`Using network IB`).",
+        example="",
+    )
+
     image_rtx3090: str | None = _knob(
         None,
         "compose",
-        "Image of `single`/`long` (empty: the published image pinned by digest in compose.yaml). "
+        "Image of `single`/`long`/`dual` (empty: the published image pinned by digest in compose.yaml). "
         "Set a plain tag (e.g. qwen38-stack:rtx3090) to build locally with `docker compose build`.",
         example="",
         pattern=IMAGE_REFERENCE,
@@ -197,7 +276,7 @@ class Settings(BaseSettings):
     image_spark: str | None = _knob(
         None,
         "compose",
-        "Image of `spark-lora` (empty: the published image pinned by digest in compose.yaml).",
+        "Image of `spark-lora`/`spark-pair` (empty: the published image pinned by digest in compose.yaml).",
         example="",
         pattern=IMAGE_REFERENCE,
     )
@@ -211,8 +290,16 @@ class Settings(BaseSettings):
     gpu_device: str = _knob(
         "0",
         "compose",
-        "Host GPU the serving container reserves (index or GPU-UUID); inside the container it is device 0.",
-        pattern=r"^(\d+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-fA-F-/]+)$",
+        "Host GPU a one-GPU serving container reserves (index or GPU-UUID; each host of `spark-pair` too); "
+        "inside the container it is device 0.",
+        pattern=rf"^{GPU_ID}$",
+    )
+    gpu_devices: str = _knob(
+        "0,1",
+        "compose",
+        "Host GPUs the `dual` container reserves: two indices or GPU-UUIDs, comma-separated, as nvidia-smi "
+        "numbers them; inside the container they are devices 0 and 1.",
+        pattern=rf"^{GPU_ID},{GPU_ID}$",
     )
     publish_address: str = _knob(
         "127.0.0.1",
@@ -242,9 +329,11 @@ class Settings(BaseSettings):
                 raise ValueError(f"not an IP address or host name: {value!r}") from None
         return value
 
-    @field_validator("publish_address", "monitoring_address")
+    @field_validator("publish_address", "monitoring_address", "head_address", "node_address")
     @classmethod
-    def _valid_publish_address(cls, value: str) -> str:
+    def _valid_publish_address(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         try:
             ipaddress.ip_address(value)
         except ValueError:

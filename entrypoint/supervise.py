@@ -71,8 +71,9 @@ class Start:
         return lifecycle.record_path(run_dir(self.settings), self.profile.name)
 
 
-def begin_start(profile: Profile, settings: Settings) -> Start:
-    """Lock, clean up after a killed start, forget the old verdict, check the address."""
+def begin_start(profile: Profile, settings: Settings, serves_api: bool = True) -> Start:
+    """Lock, clean up after a killed start, forget the old verdict, check the address (where
+    this start serves the API: a multi-host profile's worker host does not)."""
     directory = run_dir(settings)
     lock = lifecycle.RunLock(lifecycle.lock_path(directory, profile.name))
     record = lifecycle.record_path(directory, profile.name)
@@ -83,7 +84,8 @@ def begin_start(profile: Profile, settings: Settings) -> Start:
         if cleaned:
             say(f"killed {len(cleaned)} processes left by a killed earlier start: {'; '.join(cleaned)}")
         record.unlink(missing_ok=True)
-        lifecycle.check_address_free(settings.host, settings.port)
+        if serves_api:
+            lifecycle.check_address_free(settings.host, settings.port)
     except BaseException:
         lock.release()
         raise

@@ -24,8 +24,13 @@ from tests.container.tools import COMPOSE_FILE, PROFILES, REPO, compose, compose
 
 pytestmark = pytest.mark.container
 
-GPU_PROFILES = ["single", "long", "spark-lora"]
-IMAGE_OF = {"single": "rtx3090", "long": "rtx3090", "spark-lora": "spark", "cpu": "cpu"}
+ONE_GPU_PROFILES = ["single", "long", "spark-lora"]
+IMAGE_OF = {
+    "single": "rtx3090", "long": "rtx3090", "dual": "rtx3090", "spark-lora": "spark", "spark-pair": "spark",
+    "cpu": "cpu",
+}  # fmt: skip
+# Host-networked servers (the hosts of `spark-pair`): no published port, no compose network.
+HOST_NETWORK = {"spark-pair"}
 # Engine teardown after SIGTERM (engine-core processes exit, memory is freed): seconds.
 
 
@@ -80,7 +85,7 @@ def test_server_waits_for_its_preparation_and_mounts_models_read_only(configs, p
     assert set(configs[profile]["volumes"]) == {"models", "cache"}
 
 
-@pytest.mark.parametrize("profile", GPU_PROFILES)
+@pytest.mark.parametrize("profile", ONE_GPU_PROFILES)
 def test_gpu_servers_reserve_one_gpu_chosen_by_gpu_device_and_share_host_ipc(profile):
     default = compose_config(profile)["services"][profile]
     chosen = compose_config(profile, env={"GPU_DEVICE": "3"})["services"][profile]
@@ -124,6 +129,10 @@ def test_stop_grace_period_outlasts_the_servers_drain(configs, profile, tmp_path
         from pydantic import SecretStr
 
         key = SecretStr("k" * 32)
+    if load_profile(profile).parallel.nodes > 1:
+        from tests.support.plans import PAIR_HEAD
+
+        settings = settings.model_copy(update=PAIR_HEAD)
     drain = float(render_invocation(load_profile(profile), settings, key).env[DRAIN_ENV])
     # `qwen38 serve` kills what is left at drain + SHUTDOWN_MARGIN_S (entrypoint.supervise),
     # also for the longest drain SHUTDOWN_TIMEOUT accepts: Docker's SIGKILL never comes first.
@@ -143,6 +152,86 @@ def test_api_key_is_a_docker_secret_and_never_in_the_environment(configs, profil
     for service in config["services"].values():
         assert "VLLM_API_KEY" not in service.get("environment", {})
         assert "env_file" not in service  # .env feeds interpolation only, never a container
+
+
+def test_dual_reserves_the_two_gpus_gpu_devices_names_and_sees_them_as_0_and_1():
+    default = compose_config("dual")["services"]["dual"]
+    chosen = compose_config("dual", env={"GPU_DEVICES": "GPU-aaaa,GPU-bbbb"})["services"]["dual"]
+    for service, devices in ((default, "0,1"), (chosen, "GPU-aaaa,GPU-bbbb")):
+        (reservation,) = service["deploy"]["resources"]["reservations"]["devices"]
+        # Docker's nvidia driver joins the ids into NVIDIA_VISIBLE_DEVICES: one entry, both GPUs.
+        assert reservation == {"driver": "nvidia", "device_ids": [devices], "capabilities": ["gpu"]}
+        assert service["environment"]["CUDA_VISIBLE_DEVICES"] == "0,1"
+        assert service["ipc"] == "host"
+
+
+def test_multi_gpu_servers_read_the_link_knobs_and_one_gpu_servers_do_not(configs):
+    link = {"GPU_LINK", "CUSTOM_ALL_REDUCE", "NCCL_P2P", "NCCL_LOG_LEVEL"}
+    pair = {"HEAD_ADDRESS", "HEAD_PORT", "NODE_ADDRESS", "NETWORK_INTERFACE", "RDMA_DEVICES", "NODE_RANK"}
+    assert link <= set(configs["dual"]["services"]["dual"]["environment"])
+    assert link | pair <= set(configs["spark-pair"]["services"]["spark-pair"]["environment"])
+    for profile in ("single", "long", "spark-lora", "cpu"):
+        assert not (link | pair) & set(configs[profile]["services"][profile]["environment"]), profile
+    forced = compose_config("dual", env={"GPU_LINK": "nvlink", "CUSTOM_ALL_REDUCE": "false"})["services"]["dual"]
+    assert (forced["environment"]["GPU_LINK"], forced["environment"]["CUSTOM_ALL_REDUCE"]) == ("nvlink", "false")
+
+
+# One .env per host: the same but for NODE_ADDRESS, which only the worker sets.
+PAIR_ENV = {
+    "HEAD_ADDRESS": "192.168.100.10", "NETWORK_INTERFACE": "enp1s0f1np1", "RDMA_DEVICES": "rocep1s0f1,roceP2p1s0f1"
+}  # fmt: skip
+WORKER_ENV = {**PAIR_ENV, "NODE_ADDRESS": "192.168.100.11"}
+
+
+def test_the_pair_is_a_head_and_a_worker_profile_on_host_networks_with_the_rdma_devices():
+    head = compose_config("spark-pair", env=PAIR_ENV)["services"]["spark-pair"]
+    worker_config = compose_config("spark-pair-worker", env=WORKER_ENV)
+    worker = worker_config["services"]["spark-pair-worker"]
+    assert sorted(worker_config["services"]) == ["prepare-spark-pair-worker", "spark-pair-worker"]
+    prepare = worker_config["services"]["prepare-spark-pair-worker"]
+    assert prepare["command"] == ["prepare", "--profile", "spark-pair"]  # each host prepares its own copy
+    assert worker["depends_on"] == {
+        "prepare-spark-pair-worker": {"condition": "service_completed_successfully", "required": True}
+    }
+    for service, rank in ((head, "0"), (worker, "1")):
+        env = service["environment"]
+        assert env["PROFILE"] == "spark-pair" and env["NODE_RANK"] == rank
+        assert (env["HEAD_ADDRESS"], env["NETWORK_INTERFACE"], env["RDMA_DEVICES"]) == (
+            "192.168.100.10", "enp1s0f1np1", "rocep1s0f1,roceP2p1s0f1")
+        assert service["network_mode"] == "host" and "ports" not in service and "networks" not in service
+        assert service["ipc"] == "host" and service["ulimits"] == {"memlock": -1} and service["cap_add"] == ["IPC_LOCK"]
+        assert service["devices"] == [{"source": "/dev/infiniband", "target": "/dev/infiniband", "permissions": "rwm"}]
+        (reservation,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert reservation["device_ids"] == ["0"] and env["CUDA_VISIBLE_DEVICES"] == "0"
+        assert service["command"] == ["serve"]
+        assert service["healthcheck"]["test"] == ["CMD", "qwen38", "ready", "--quick"]
+        assert service["image"].split("@")[0].endswith("-spark") and service["platform"] == "linux/arm64"
+        mounts = {v["target"]: v for v in service["volumes"]}
+        assert mounts["/models"].get("read_only") is True
+    # Without a published port, the head's API listens where a port would have been published.
+    assert (head["environment"]["HOST"], head["environment"]["PORT"]) == ("127.0.0.1", "18020")
+    moved = compose_config("spark-pair", env={**PAIR_ENV, "PUBLISH_ADDRESS": "0.0.0.0", "PUBLISH_PORT": "18555"})
+    assert (moved["services"]["spark-pair"]["environment"]["HOST"],
+            moved["services"]["spark-pair"]["environment"]["PORT"]) == ("0.0.0.0", "18555")
+
+
+def test_the_pair_services_render_what_the_hosts_run(tmp_path):
+    """The environment compose gives each host resolves to vLLM's multi-node flags: the head
+    rank 0 with the API, the worker rank 1 headless with its own address."""
+    from pydantic import SecretStr
+
+    from entrypoint.launch import render_invocation
+    from entrypoint.profiles import load_profile
+    from entrypoint.settings import load_settings
+
+    for name, rank, dotenv in (("spark-pair", 0, PAIR_ENV), ("spark-pair-worker", 1, WORKER_ENV)):
+        env = compose_config(name, env=dotenv)["services"][name]["environment"]
+        knobs = {key.lower(): value for key, value in env.items() if value != ""}
+        knobs.update(models_dir=tmp_path, cache_dir=tmp_path, api_key_file=tmp_path / "api_key")
+        settings = load_settings(env_file=None, **knobs)
+        inv = render_invocation(load_profile("spark-pair"), settings, SecretStr("k" * 32))
+        assert inv.config["node-rank"] == rank and ("--headless" in inv.argv) == (rank == 1)
+        assert inv.env["VLLM_HOST_IP"] == ("192.168.100.10" if rank == 0 else "192.168.100.11")
 
 
 def test_api_is_published_on_loopback_unless_asked(configs):
@@ -252,6 +341,9 @@ def test_prometheus_scrapes_every_server_by_one_alias_with_the_key_secret(monito
     host, port = target.split(":")
     for profile, rendered in monitored.items():
         server = rendered["services"][profile]
+        if profile in HOST_NETWORK:  # Prometheus cannot reach a host-networked server by name (docs/dual.md)
+            assert server["network_mode"] == "host"
+            continue
         assert host in server["networks"]["default"]["aliases"]
         assert int(port) == int(server["environment"]["PORT"])
         prometheus = rendered["services"]["prometheus"]

@@ -16,8 +16,15 @@ from tests.support.vllm_views import child_pythonpath
 # developer's shell leaks into a resolution.
 OVERRIDES = (
     "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "speculation", "lookup", "verify_block",
-    "prefix_caching", "enable_thinking",
+    "prefix_caching", "enable_thinking", "cuda_visible_devices", "custom_all_reduce", "nccl_p2p",
+    "head_address", "node_address", "network_interface", "rdma_devices", "nccl_log_level",
 )  # fmt: skip
+# The parallel knobs with a default of their own, at that default.
+PARALLEL_DEFAULTS = {"gpu_link": "auto", "node_rank": 0, "head_port": 29501}
+# What a user of a multi-host profile has set on the head (docs/dual.md): the link's address
+# and interface, as on a pair of DGX Sparks cabled port to port.
+PAIR_HEAD = {"head_address": "192.168.100.10", "network_interface": "enp1s0f1np1"}
+PAIR_WORKER = {**PAIR_HEAD, "node_rank": 1, "node_address": "192.168.100.11"}
 
 # (profile, prefix caching override); None keeps the profile's own setting.
 SEED_CASES = (
@@ -26,15 +33,22 @@ SEED_CASES = (
     ("long", False),
     ("long", True),
     ("spark-lora", None),
+    ("dual", False),
+    ("dual", True),
+    ("spark-pair", None),
 )
 
 
 def user_settings(profile: str = "cpu", **values):
     """`Settings` for ``profile`` with exactly ``values`` overridden (no .env, no knob from
-    the environment); ``models_dir`` defaults to a directory with no models in it."""
+    the environment); ``models_dir`` defaults to a directory with no models in it, and a
+    multi-host profile gets the head's link knobs (`PAIR_HEAD`) unless ``values`` names them."""
+    from entrypoint.profiles import PROFILES_DIR, load_profile
     from entrypoint.settings import Settings
 
-    values = {**dict.fromkeys(OVERRIDES), **values}
+    directory = values.get("profiles_dir", PROFILES_DIR)
+    pair = PAIR_HEAD if load_profile(profile, directory).parallel.nodes > 1 else {}
+    values = {**dict.fromkeys(OVERRIDES), **PARALLEL_DEFAULTS, **pair, **values}
     values.setdefault("models_dir", Path("/nonexistent-models"))
     return Settings(_env_file=None, profile=profile, **values)
 

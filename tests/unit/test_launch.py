@@ -17,13 +17,17 @@ from entrypoint.profiles import load_profile, profile_names
 from entrypoint.resolve import resolve
 from entrypoint.settings import Settings
 from tests.conftest import clean_env, run_cli
+from tests.support.plans import PAIR_HEAD
 
 KEY = SecretStr("s3cret-" + "k" * 20)
 
 
 def settings(**values) -> Settings:
+    """Settings as a user has them; on a multi-host profile, the head's link knobs (PAIR_HEAD)."""
     values.setdefault("models_dir", Path("/models"))
     values.setdefault("cache_dir", Path("/cache"))
+    if load_profile(values.get("profile", "cpu")).parallel.nodes > 1:
+        values = {**PAIR_HEAD, **values}
     return Settings(_env_file=None, **values)
 
 
@@ -44,7 +48,9 @@ def test_every_profile_renders_one_config_file_invocation(name):
     assert inv.env["HF_HUB_OFFLINE"] == "1"
     assert inv.env["VLLM_CACHE_ROOT"] == f"/cache/vllm/{inv.cache_key}"
     if profile.platform == "cuda":
-        assert inv.env["CUDA_VISIBLE_DEVICES"] == "0"
+        # the first GPUs of this host the profile splits its layers over, numbered as nvidia-smi does
+        assert inv.env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, range(profile.parallel.gpus_per_node)))
+        assert inv.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
         assert inv.env["FLASHINFER_DISABLE_VERSION_CHECK"] == "1"
     secret = KEY.get_secret_value()
     # The key reaches our guard (entrypoint.auth) only; vLLM's narrower check is never installed.
@@ -159,6 +165,10 @@ def test_vllms_own_parser_reads_the_rendered_config_as_intended(name, tmp_path):
         assert (module.name, module.base_model_name) == ("qwen3.8-27b-mode-b", "qwen3.8-27b")
     if profile.engine.enable_flashinfer_autotune is False:
         assert args.enable_flashinfer_autotune is False
+    assert args.tensor_parallel_size == profile.parallel.tensor_parallel_size
+    assert args.nnodes == profile.parallel.nodes and args.node_rank == 0 and args.headless is False
+    if profile.parallel.tensor_parallel_size > 1:
+        assert args.distributed_executor_backend == "mp"  # vLLM's own executor, never Ray
 
 
 def test_render_json_on_the_cli_masks_the_key():

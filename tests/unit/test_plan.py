@@ -150,7 +150,8 @@ def test_a_context_above_the_models_positions_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # the changed values are not of the field's type
 def test_plan_cache_key_covers_every_field_but_the_ignored_ones(tmp_path):
-    resolved, configs = _inputs("spark-lora", tmp_path)
+    # spark-pair: the profile with every nested part (speculative, lora, parallel) set.
+    resolved, configs = _inputs("spark-pair", tmp_path)
     base = plan_cache_key(resolved, configs, TREE)
     assert set(PLAN_IGNORED) <= set(field_paths())
     for path in field_paths():
@@ -158,7 +159,7 @@ def test_plan_cache_key_covers_every_field_but_the_ignored_ones(tmp_path):
         if leaf:
             nested = getattr(resolved, parent).model_copy(update={leaf: f"changed {path}"})
             changed = resolved.model_copy(update={parent: nested})
-        elif path in ("speculative", "lora"):
+        elif path in ("speculative", "lora", "parallel"):
             continue  # their fields are changed one by one
         else:
             changed = resolved.model_copy(update={path: f"changed {path}"})
@@ -217,7 +218,7 @@ def test_plan_json_has_the_fields_the_launcher_reads(seed_plans):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["single", "long"])
+@pytest.mark.parametrize("name", ["single", "long", "dual"])
 def test_profile_capacity_records_what_the_planner_finds(seed_plans, name):
     capacity = load_profile(name).capacity
     assert seed_plans[(name, False)].pool_tokens == capacity.pool_tokens
@@ -241,6 +242,31 @@ def test_spark_lora_fits_its_16_gib_fp8_pool(seed_plans):
     assert plan.serving.block_size % 16 == 0
     # the drafter's layers are planned with the backend the profile pins for them
     assert plan.serving.drafter_backend == "TRITON_ATTN"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("two", "one"), [("dual", ("single", True)), ("spark-pair", ("spark-lora", None))])
+def test_tensor_parallel_halves_what_each_gpu_keeps(seed_plans, two, one):
+    """At TP=2 vLLM gives each GPU half of the KV heads and half of every GDN and drafter
+    state: per GPU, a context token, a slot's state and the drafter's window take half the
+    bytes, so the same pool per GPU holds more than twice the tokens (the fixed per-slot state
+    halves too)."""
+    pair = seed_plans[(two, True if two == "dual" else None)]
+    single = seed_plans[one]
+    a, b = pair.serving, single.serving
+    assert a.context_bytes_per_token * 2 == b.context_bytes_per_token
+    assert a.state_bytes_per_request * 2 == b.state_bytes_per_request
+    assert a.window_bytes_per_request * 2 == b.window_bytes_per_request
+    assert pair.tensor_parallel_size == 2 and pair.pool_bytes == single.pool_bytes  # the pool is per GPU
+    assert pair.pool_tokens > 2 * single.pool_tokens and pair.fits
+
+
+@pytest.mark.slow
+def test_spark_pair_fits_the_models_whole_context_in_every_slot(seed_plans):
+    plan = seed_plans[("spark-pair", None)]
+    assert plan.max_model_len == 262_144 and plan.fits and plan.fits_with_all_slots_busy
+    assert plan.serving.drafter_backend == "TRITON_ATTN"
+    assert "on each of its GPUs" in plan.refusal_line()
 
 
 @pytest.mark.slow

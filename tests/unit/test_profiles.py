@@ -10,7 +10,7 @@ import pytest
 from entrypoint.errors import ProfileError
 from entrypoint.profiles import PROFILES_DIR, load_profile, profile_names
 
-EXPECTED = {"cpu", "single", "long", "spark-lora"}
+EXPECTED = {"cpu", "single", "long", "dual", "spark-lora", "spark-pair"}
 
 
 def test_every_profile_of_the_design_exists_and_loads():
@@ -21,7 +21,7 @@ def test_every_profile_of_the_design_exists_and_loads():
 
 
 def test_lora_profiles_serve_the_adapter_as_a_second_id():
-    for name in ("cpu", "spark-lora"):
+    for name in ("cpu", "spark-lora", "spark-pair"):
         assert load_profile(name).model_ids == ["qwen3.8-27b", "qwen3.8-27b-mode-b"]
     assert load_profile("single").model_ids == ["qwen3.8-27b"]
 
@@ -36,6 +36,33 @@ def test_gpu_profiles_carry_the_figures_of_the_design():
     assert spark.speculative.num_speculative_tokens == 7 and spark.speculative.draft_sample_method == "probabilistic"
     assert spark.engine.enable_flashinfer_autotune is False
     assert all(p.require_patches for p in (single, long, spark))
+
+
+def test_the_two_gpu_profiles_keep_their_one_gpu_siblings_engine_and_split_it():
+    """`dual` is `single`'s engine (DFlash2, prefix caching, the pool per GPU) over two 3090s;
+    `spark-pair` is `spark-lora`'s (both identities, fp8 KV, the drafter's Triton attention)
+    over two Sparks."""
+    pairs = {"dual": "single", "spark-pair": "spark-lora"}
+    kept = ("kv_cache_memory_bytes", "kv_cache_dtype", "enable_prefix_caching", "mamba_ssm_cache_dtype",
+            "language_model_only", "enable_flashinfer_autotune", "tool_call_parser", "reasoning_parser",
+            "shutdown_timeout", "max_num_batched_tokens", "max_num_seqs")
+    for two, one in pairs.items():
+        a, b = load_profile(two), load_profile(one)
+        assert (a.machine, a.cuda_arch, a.models, a.served, a.speculative, a.lora, a.env) == (
+            b.machine, b.cuda_arch, b.models, b.served, b.speculative, b.lora, b.env)
+        assert {k: getattr(a.engine, k) for k in kept} == {k: getattr(b.engine, k) for k in kept}
+        assert a.parallel.tensor_parallel_size == 2 and b.parallel.tensor_parallel_size == 1
+        assert a.engine.max_model_len > b.engine.max_model_len  # what the second card buys
+    assert load_profile("dual").parallel.nodes == 1 and load_profile("spark-pair").parallel.gpus_per_node == 1
+
+
+def test_profiles_table_names_the_gpus_and_hosts():
+    from entrypoint.profiles import render_profiles_table
+
+    table = render_profiles_table()
+    assert "| `dual` | 2x rtx3090 | 131,072 | 8 |" in table
+    assert "| `spark-pair` | 2x dgx-spark (2 hosts) | 262,144 | 4 |" in table
+    assert "| `single` | rtx3090 | 65,536 | 8 |" in table
 
 
 @pytest.fixture
@@ -73,6 +100,15 @@ def test_a_bad_profile_is_one_line_naming_the_file(profiles_copy, old, new, mess
         load_profile("cpu", profiles_copy)
     assert str(profiles_copy / "cpu.toml") in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_split_that_is_not_even_over_the_hosts_is_refused(profiles_copy):
+    _edit(profiles_copy, "spark-pair", "tensor_parallel_size = 2\nnodes = 2", "tensor_parallel_size = 3\nnodes = 2")
+    with pytest.raises(ProfileError, match="tensor_parallel_size 3 cannot be split evenly over 2 nodes"):
+        load_profile("spark-pair", profiles_copy)
+    _edit(profiles_copy, "dual", "tensor_parallel_size = 2", "tensor_parallel_size = 2\npipeline_parallel_size = 2")
+    with pytest.raises(ProfileError, match=r"parallel\.pipeline_parallel_size: Extra inputs"):
+        load_profile("dual", profiles_copy)
 
 
 def test_extra_engine_arguments_may_not_repeat_a_typed_one(profiles_copy):

@@ -47,6 +47,7 @@ def test_the_planner_plans_exactly_what_the_launch_renders(name, speculation, pr
         "mamba_ssm_cache_dtype": config["mamba-ssm-cache-dtype"],
         "dtype": config["dtype"],
         "block_size": config.get("block-size"),
+        "tensor_parallel_size": config.get("tensor-parallel-size", 1),
     }
     assert {k: engine[k] for k in rendered} == rendered
     assert engine["enable_prefix_caching"] is prefix_caching
@@ -117,7 +118,8 @@ def test_the_positions_limit_includes_rope_scaling():
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # the changed values are not of the field's type
 def test_compile_cache_key_covers_every_field_but_the_ignored_ones(tmp_path):
-    resolved = resolve(load_profile("spark-lora"), user_settings("spark-lora", models_dir=tmp_path))
+    # spark-pair: the profile with every nested part (speculative, lora, parallel) set.
+    resolved = resolve(load_profile("spark-pair"), user_settings("spark-pair", models_dir=tmp_path))
     base = compile_cache_key(resolved)
     assert set(COMPILE_IGNORED) <= set(field_paths()) and set(PLAN_IGNORED) <= set(field_paths())
     for path in field_paths():
@@ -126,7 +128,7 @@ def test_compile_cache_key_covers_every_field_but_the_ignored_ones(tmp_path):
             changed = resolved.model_copy(
                 update={parent: getattr(resolved, parent).model_copy(update={leaf: f"changed {path}"})}
             )
-        elif path in ("speculative", "lora"):
+        elif path in ("speculative", "lora", "parallel"):
             continue  # their fields are changed one by one
         else:
             changed = resolved.model_copy(update={path: f"changed {path}"})

@@ -31,8 +31,9 @@ def _isolated_env(monkeypatch, tmp_path):
 def test_defaults_are_the_documented_ones():
     s = load_settings(env_file=None)
     assert (s.profile, s.host, s.port) == ("cpu", "127.0.0.1", 18020)
-    assert s.cuda_visible_devices == "0"
+    assert s.cuda_visible_devices is None  # the profile's first GPUs: 0, or 0,1 for `dual`
     assert s.max_model_len is None and s.speculation is None
+    assert (s.gpu_link, s.node_rank, s.head_port, s.gpu_devices) == ("auto", 0, 29501, "0,1")
 
 
 def test_environment_and_dotenv_are_read_and_environment_wins(monkeypatch, tmp_path):
@@ -54,8 +55,15 @@ def test_unknown_key_in_dotenv_is_named_with_a_suggestion(tmp_path):
         ("PORT", "70000", r"PORT=\"70000\": Input should be less than or equal to 65535"),
         ("MAX_MODEL_LEN", "0", r"MAX_MODEL_LEN=\"0\": Input should be greater than or equal to 256"),
         ("SPECULATION", "maybe", r"SPECULATION=\"maybe\": Input should be a valid boolean"),
-        ("PROFILE", "fast", r"PROFILE=fast: no profile 'fast' in \S+; known profiles: cpu, long, single, spark-lora"),
+        ("PROFILE", "fast",
+         r"PROFILE=fast: no profile 'fast' in \S+; known profiles: cpu, dual, long, single, spark-lora, spark-pair"),
         ("CUDA_VISIBLE_DEVICES", "all", r"CUDA_VISIBLE_DEVICES=\"all\": String should match pattern"),
+        ("CUDA_VISIBLE_DEVICES", "0,", r"CUDA_VISIBLE_DEVICES=\"0,\": String should match pattern"),
+        ("GPU_DEVICES", "0", r"GPU_DEVICES=\"0\": String should match pattern"),
+        ("GPU_LINK", "sli", r"GPU_LINK=\"sli\": Input should be 'auto', 'pcie' or 'nvlink'"),
+        ("HEAD_ADDRESS", "spark-1", r"HEAD_ADDRESS=\"spark-1\": not an IP address: 'spark-1'"),
+        ("NETWORK_INTERFACE", "enp1s0f1np1;rm", r"NETWORK_INTERFACE=\"enp1s0f1np1;rm\": String should match pattern"),
+        ("NODE_RANK", "8", r"NODE_RANK=\"8\": Input should be less than or equal to 7"),
         ("LOG_LEVEL", "verbose", r"LOG_LEVEL=\"verbose\": Input should be"),
     ],
 )
