@@ -72,6 +72,17 @@ def process_state(pid: int) -> str | None:
     return fields[0] if fields else None
 
 
+def process_alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (exited, not yet reaped by its parent)."""
+    return process_state(pid) not in (None, "Z")
+
+
+def process_session(pid: int) -> int | None:
+    """The session id of ``pid`` (a process started with setsid leads its own)."""
+    fields = _stat_fields(pid)
+    return int(fields[3]) if fields else None
+
+
 def is_running(pid: int, start_time: int | None) -> bool:
     """``pid`` is the very process that had ``start_time`` and is not a zombie."""
     state = process_state(pid)

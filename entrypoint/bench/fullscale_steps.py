@@ -35,6 +35,7 @@ from typing import Any
 
 from entrypoint.bench import fullscale_figures as figures
 from entrypoint.errors import BenchError, StackError
+from entrypoint.lifecycle import process_alive, process_session
 
 # An RTX 3090 as CUDA reports it on Linux: 24268 MiB, 25,447,170,048 B (deviceQuery; PyTorch's
 # out-of-memory messages say "23.70 GiB total capacity"). Headless, no display server holds
@@ -563,7 +564,7 @@ def sample_memory(pid: int, out: Path, interval: float = 1.0) -> None:
         return
     queries = (["--query-compute-apps=pid,used_memory"], ["--query-gpu=memory.used"])
     with open(out, "a", encoding="utf-8") as handle:
-        while _alive(pid):
+        while process_alive(pid):
             now = f"{time.time():.2f}"
             for query, tag in zip(queries, (None, "gpu")):
                 try:
@@ -626,7 +627,7 @@ def poll_ready(root: Path, profile: str) -> str:
             return "ready"
         record_failure(root, profile, f"the readiness gate refused: {verdict}")
         return "failed"
-    if not _alive(start["pid"]):
+    if not process_alive(start["pid"]):
         record_failure(root, profile, "the server exited before its gate")
         return "failed"
     return "starting"
@@ -662,24 +663,6 @@ def step_wait(root: Path, profile: str, timeout: float) -> dict[str, Any]:
         failed = read_result(root, f"{profile}.failed") or {}
         raise BenchError(f"{profile}: {failed.get('why')}; see {root / 'logs' / (profile + '.log')}")
     return read_result(root, f"{profile}.ready") or {"ready": False, "waited_s": timeout}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    try:  # a zombie (exited, not yet reaped by its parent) is not alive
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _session_of(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].split()[3])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _descendants(pid: int) -> set[int]:
@@ -771,7 +754,7 @@ def step_measure(root: Path, profile: str, sizes: str = "quick") -> dict[str, An
     result.update(footprint_of(root, profile, served, start, planned))
     result["done"] = True
     _write(root, f"{profile}.measure", result)
-    if not _alive(start["pid"]):  # it died under the load (an OOM at 64k, say): the log says why
+    if not process_alive(start["pid"]):  # it died under the load (an OOM at 64k, say): the log says why
         record_failure(root, profile, "the server exited while it was measured")
     return result
 
@@ -828,7 +811,7 @@ def step_stop(root: Path, profile: str, grace: float = 60.0) -> dict[str, Any]:
     deadline = time.monotonic() + grace
 
     def left() -> list[int]:  # still running, and still ours (a reused pid is in another session)
-        return sorted(pid for pid in tree if _alive(pid) and _session_of(pid) == start["pid"])
+        return sorted(pid for pid in tree if process_alive(pid) and process_session(pid) == start["pid"])
 
     while time.monotonic() < deadline and left():
         time.sleep(1)
