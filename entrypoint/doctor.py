@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Literal
 from entrypoint.errors import StackError
 from entrypoint.profiles import Profile
 from entrypoint.toolchain import Runner, check_toolchain, jit_cuda_home, run_command, torch_cuda_version
-from entrypoint.topology import TopologyError, link_between, parse_topology
+from entrypoint.topology import TopologyError, link_between, parse_topology, read_topology
 
 if TYPE_CHECKING:
     from entrypoint.resolve import ResolvedEngine
@@ -273,13 +273,13 @@ def _link_findings(resolved: ResolvedEngine, indices: list[int], run: Runner) ->
     assert par is not None
     choice = (f"custom all-reduce {'on' if par.custom_all_reduce else 'off'}, NCCL P2P "
               f"{'on' if par.nccl_p2p else 'off (NCCL_P2P_DISABLE=1)'}")
-    text = run(["nvidia-smi", "topo", "-m"])
     try:
-        reading = None if text is None else link_between(parse_topology(text), indices)
+        topology = read_topology(run)
+        reading = None if topology is None else link_between(topology, indices)
     except TopologyError as exc:
         reading, problem = None, str(exc)
     else:
-        problem = "nvidia-smi topo -m did not answer" if text is None else ""
+        problem = "nvidia-smi topo -m did not answer" if topology is None else ""
     findings = []
     if reading is None:
         findings.append(Finding("warn", "link", f"{problem}; {par.link_origin}: {choice} (docs/dual.md)"))
