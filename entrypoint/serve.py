@@ -8,7 +8,9 @@ step reads that one resolution: the planner plans exactly what the launch runs.
 Cheap refusals come first: conflicting knobs (`resolve`) and values the models cannot
 take (`check_plannable`) are refused before a file is hashed. The launch is a supervisor
 (`entrypoint.supervise`): vLLM runs as its child, the readiness gate beside it, and SIGTERM
-stops every engine process within the drain plus a fixed margin.
+stops every engine process within the drain plus a fixed margin. The child is started before
+verify and held until the plan passes, so that its import of vLLM (the largest part of a
+start on a small machine) runs while the files are hashed and the plan is computed.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def run_preflight(profile: Profile, settings: Settings, resolved: ResolvedEngine
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from entrypoint import ready
-    from entrypoint.supervise import begin_start, check_interpreter, supervise
+    from entrypoint.supervise import Supervisor, begin_start, check_interpreter
 
     profile, settings, key = load(args)
     resolved = resolve_on_this_host(profile, settings)
@@ -68,18 +70,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     start = begin_start(profile, settings, serves_api=not worker)
     invocation = render_invocation(profile, settings, key, resolved=resolved)
     check_interpreter(invocation)
-    identity = run_preflight(profile, settings, resolved)
-    write_run_files(invocation)
-    if worker:
-        from entrypoint.worker_gate import WorkerGate
+    # The engine starts now, held: its vLLM import overlaps verify and plan; a refused
+    # preflight ends it before it has read a weight.
+    supervisor = Supervisor(invocation, start, gate=None)
+    supervisor.prestart()
+    try:
+        identity = run_preflight(profile, settings, resolved)
+        write_run_files(invocation)
+        if worker:
+            from entrypoint.worker_gate import WorkerGate
 
-        gate = WorkerGate(profile, settings, resolved, identity=identity)
-        print(f"qwen38: serving profile {profile.name} as worker host {resolved.parallel.node_rank} of "
-              f"{resolved.parallel.nodes} (no API here; head {gate.head})", flush=True)
-    else:
-        gate = ready.Watcher(profile, settings, key, identity=identity, instance=start.instance)
-        print(f"qwen38: serving profile {profile.name} ({', '.join(profile.model_ids)}) on {gate.base_url}", flush=True)
-    return supervise(invocation, start, gate=None if args.no_ready_gate else gate.run)
+            gate = WorkerGate(profile, settings, resolved, identity=identity)
+            print(f"qwen38: serving profile {profile.name} as worker host {resolved.parallel.node_rank} of "
+                  f"{resolved.parallel.nodes} (no API here; head {gate.head})", flush=True)
+        else:
+            gate = ready.Watcher(profile, settings, key, identity=identity, instance=start.instance)
+            print(f"qwen38: serving profile {profile.name} ({', '.join(profile.model_ids)}) on {gate.base_url}",
+                  flush=True)
+    except BaseException:
+        supervisor.abandon()
+        raise
+    supervisor.gate = None if args.no_ready_gate else gate.run
+    return supervisor.run()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

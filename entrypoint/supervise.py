@@ -4,9 +4,11 @@
 what a killed earlier start provably left (`entrypoint.lifecycle`), removes the old
 readiness status and refuses an address another process listens on.
 
-`supervise` then forks the engine (`entrypoint.engine_main`) into its own process group,
-with a fresh instance id and a parent-death signal, runs the readiness gate and then the
-watchdog (`entrypoint.watchdog`) in a thread, and waits. It stays the process that gets the signals (PID 2 under tini in the images):
+`Supervisor.prestart` then forks the engine (`entrypoint.engine_main`) into its own process
+group, with a fresh instance id and a parent-death signal, *held*: it imports vLLM while
+this process verifies and plans, and serves only once `Supervisor.run` lets it go
+(`abandon` ends it when the preflight refuses the start). `run` runs the readiness gate and
+then the watchdog (`entrypoint.watchdog`) in a thread, and waits. It stays the process that gets the signals (PID 2 under tini in the images):
 
 - SIGTERM / SIGINT / SIGHUP: vLLM's API server gets SIGUSR1 (our middleware admits no new
   request and ends what is still open after the drain: the profile's ``shutdown_timeout`` or
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 from entrypoint import lifecycle
 from entrypoint.asgi import INSTANCE_ENV
 from entrypoint.drain import DRAIN_ENV, STOP_SIGNAL
-from entrypoint.engine_main import die_with_parent
+from entrypoint.engine_main import GO, HOLD_ENV, die_with_parent
 from entrypoint.errors import LaunchError
 from entrypoint.launch import Invocation, run_dir, status_path
 from entrypoint.profiles import SHUTDOWN_MARGIN_S, Profile
@@ -121,12 +123,49 @@ class Supervisor:
         self.failure: str | None = None  # why the gate or the watchdog stopped the engine
         self._final = False
         self._status_lock = threading.Lock()
+        self._hold: int | None = None  # the write end of a held engine's pipe
 
     # ---- the child ---------------------------------------------------------------------
 
-    def _spawn(self) -> int:
+    def prestart(self) -> None:
+        """Start the engine held (see `entrypoint.engine_main`), with the reaper that ends it
+        if this process is killed and the run record that finds it after a crash."""
+        # First, before any thread: the reaper, which ends the engine if we are killed.
+        self._reaper_pipe = lifecycle.start_reaper(self.start.instance, self.start.record_path)
+        read_end, self._hold = os.pipe()
+        try:
+            self.pid = self._spawn(hold=read_end)
+        finally:
+            os.close(read_end)
+        lifecycle.RunRecord(
+            profile=self.start.profile.name,
+            instance=self.start.instance,
+            supervisor_pid=os.getpid(),
+            supervisor_start=lifecycle.process_start_time(os.getpid()),
+            engine_pid=self.pid,
+            engine_start=lifecycle.process_start_time(self.pid),
+            address=f"{self.start.settings.host}:{self.start.settings.port}",
+        ).write(self.start.record_path)
+
+    def abandon(self) -> None:
+        """End a held engine whose start was refused (it has read no weight and holds nothing
+        but its imports: its group is killed at once); the run files and the lock go."""
+        try:
+            self._kill_group()
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)
+            if self._hold is not None:
+                os.close(self._hold)
+                self._hold = None
+        finally:
+            self.start.record_path.unlink(missing_ok=True)
+            self.start.lock.release()
+
+    def _spawn(self, hold: int | None = None) -> int:
         argv = self.invocation.argv
         env = engine_environment(self.invocation, self.start.instance)
+        if hold is not None:
+            env[HOLD_ENV] = str(hold)
         parent = os.getpid()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -138,6 +177,8 @@ class Supervisor:
                 # Ignored across the exec until the app handles it (entrypoint.drain): a stop
                 # during the start must not end the engine through SIGUSR1's default action.
                 signal.signal(STOP_SIGNAL, signal.SIG_IGN)
+                if hold is not None:
+                    os.set_inheritable(hold, True)
                 os.execve(argv[0], argv, env)
             finally:
                 os._exit(127)
@@ -206,21 +247,16 @@ class Supervisor:
     # ---- the run ---------------------------------------------------------------------
 
     def run(self) -> int:
-        # First, before any thread or handler: the reaper, which ends the engine if we are killed.
-        self._reaper_pipe = lifecycle.start_reaper(self.start.instance, self.start.record_path)
+        if not self.pid:
+            self.prestart()
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
         signal.signal(signal.SIGALRM, self._on_deadline)
-        self.pid = self._spawn()
-        lifecycle.RunRecord(
-            profile=self.start.profile.name,
-            instance=self.start.instance,
-            supervisor_pid=os.getpid(),
-            supervisor_start=lifecycle.process_start_time(os.getpid()),
-            engine_pid=self.pid,
-            engine_start=lifecycle.process_start_time(self.pid),
-            address=f"{self.start.settings.host}:{self.start.settings.port}",
-        ).write(self.start.record_path)
+        if self._hold is not None:  # let the held engine go on
+            with contextlib.suppress(BrokenPipeError):  # it died holding: _wait reports it
+                os.write(self._hold, GO)
+            os.close(self._hold)
+            self._hold = None
         if self.gate is not None:
             threading.Thread(target=self._run_gate, name="readiness-gate", daemon=True).start()
         try:

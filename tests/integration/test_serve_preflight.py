@@ -1,7 +1,11 @@
 """`qwen38 serve` refuses before loading a weight: a profile that cannot fit its KV pool
-never reaches vLLM, and a plan is reused across restarts while nothing it depends on changed."""
+never reaches vLLM's engine (the held engine, importing vLLM meanwhile, is gone with nothing
+it printed), and a plan is reused across restarts while nothing it depends on changed."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 
@@ -10,7 +14,19 @@ from tests.conftest import clean_env, free_port, run_cli
 pytestmark = pytest.mark.integration
 
 
-def test_a_profile_that_cannot_fit_is_refused_before_vllm_starts(tiny_root, api_key_file, tmp_path):
+def _processes_with(entry: str) -> list[int]:
+    """Live processes whose environment holds ``entry`` (NAME=value)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and entry.encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_profile_that_cannot_fit_is_refused_before_vllm_loads_anything(tiny_root, api_key_file, tmp_path):
     env = clean_env(MODELS_DIR=str(tiny_root), API_KEY_FILE=str(api_key_file), CACHE_DIR=str(tmp_path / "cache"),
                     PORT=str(free_port()), KV_CACHE_MEMORY_BYTES=str(2 << 20))
     result = run_cli("serve", "--profile", "cpu", env=env, timeout=600)
@@ -20,6 +36,8 @@ def test_a_profile_that_cannot_fit_is_refused_before_vllm_starts(tiny_root, api_
     assert "lower MAX_MODEL_LEN or raise KV_CACHE_MEMORY_BYTES" in last
     assert "qwen38: verified cpu" in result.stdout
     assert not (tmp_path / "cache" / "run" / "cpu.vllm.yaml").exists()  # nothing was rendered to run
+    assert not re.search(r"^(INFO|WARNING|ERROR) \d\d-\d\d ", result.stdout + result.stderr, re.M)  # no vLLM log line
+    assert _processes_with(f"CACHE_DIR={tmp_path / 'cache'}") == []  # the held engine went with the refusal
 
     again = run_cli("serve", "--profile", "cpu", env=env, timeout=600)
     assert again.returncode == 2 and again.stderr == result.stderr  # the cached verdict, same line

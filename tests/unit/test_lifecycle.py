@@ -258,3 +258,101 @@ def test_a_reused_group_id_is_not_taken_for_the_engines_group(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+# ---- a held engine: started before verify and plan, let go or abandoned ------------------
+
+# The supervisor side of `qwen38 serve`: prestart, then "preflight" (argv[4]: go or refuse).
+HELD = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import entrypoint.supervise as supervise
+    from entrypoint.launch import Invocation
+    from entrypoint.profiles import load_profile
+    from entrypoint.settings import Settings
+
+    settings = Settings(_env_file=None, cache_dir=Path(sys.argv[1]), port=int(sys.argv[2]))
+    start = supervise.begin_start(load_profile("cpu"), settings)
+    invocation = Invocation([sys.executable, "-c", sys.argv[3]], {}, {}, Path("unused.yaml"), "k")
+    supervisor = supervise.Supervisor(invocation, start, gate=None)
+    supervisor.prestart()
+    print("held", supervisor.pid, start.instance, flush=True)
+    sys.stdin.readline()  # the test looks at the held engine here
+    if sys.argv[4] == "refuse":
+        supervisor.abandon()
+        supervise.begin_start(load_profile("cpu"), settings).lock.release()  # the lock went
+        print("abandoned", flush=True)
+        sys.exit(2)
+    sys.exit(supervisor.run())
+    """
+)
+
+# The engine side: entrypoint.engine_main's own hold(), importing a module that prints (as
+# importing vLLM logs) on both streams.
+HELD_ENGINE = textwrap.dedent(
+    """
+    import os, sys
+    from entrypoint.engine_main import HOLD_ENV, hold
+    go = hold(int(os.environ[HOLD_ENV]), ["json", "noisy_import"])
+    assert "noisy_import" in sys.modules
+    print("served" if go else "refused", flush=True)
+    """
+)
+NOISY_IMPORT = 'import sys\nprint("imported while held")\nprint("a warning while held", file=sys.stderr)\n'
+
+
+def _held(tmp_path, decision: str, engine: str = HELD_ENGINE) -> subprocess.Popen:
+    (tmp_path / "modules").mkdir()
+    (tmp_path / "modules" / "noisy_import.py").write_text(NOISY_IMPORT)
+    return subprocess.Popen(
+        [sys.executable, "-c", HELD, str(tmp_path / "cache"), str(free_port()), engine, decision],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path / "modules")])},
+    )  # fmt: skip
+
+
+def test_a_held_engine_runs_once_let_go_and_prints_what_it_printed_while_held(tmp_path):
+    supervisor = _held(tmp_path, "go")
+    try:
+        word, pid, instance = supervisor.stdout.readline().split()
+        assert word == "held" and processes_of_instance(instance) == [int(pid)]
+        assert read_record(record_path(tmp_path / "cache" / "run", "cpu")).engine_pid == int(pid)
+        time.sleep(1.0)  # the engine imports, then waits for its word
+        assert process_state(int(pid)) in ("S", "R")
+        out, err = supervisor.communicate("\n", timeout=30)
+    finally:
+        supervisor.kill()
+    assert supervisor.returncode == 1  # an engine that exits by itself: the supervisor says so
+    assert out.splitlines() == ["imported while held", "served"]
+    assert "a warning while held" in err and "exited on its own (exit 0)" in err
+    assert not record_path(tmp_path / "cache" / "run", "cpu").exists()
+
+
+def test_an_abandoned_engine_is_gone_at_once_with_nothing_it_printed(tmp_path):
+    supervisor = _held(tmp_path, "refuse")
+    try:
+        _, pid, instance = supervisor.stdout.readline().split()
+        time.sleep(0.5)
+        abandoned = time.monotonic()
+        out, err = supervisor.communicate("\n", timeout=30)
+        took = time.monotonic() - abandoned
+    finally:
+        supervisor.kill()
+    assert supervisor.returncode == 2 and out.splitlines() == ["abandoned"], (out, err)
+    assert err == "" and took < 5.0, took  # nothing of the engine's shows; no grace period waited
+    assert process_state(int(pid)) is None and processes_of_instance(instance) == []
+    assert not record_path(tmp_path / "cache" / "run", "cpu").exists()
+
+
+def test_an_engine_that_dies_while_held_is_reported_when_let_go(tmp_path):
+    dying = "import sys; print('cannot import vLLM', file=sys.stderr); sys.exit(3)"
+    supervisor = _held(tmp_path, "go", engine=dying)
+    try:
+        supervisor.stdout.readline()
+        time.sleep(1.0)  # dead before its word: the write to its pipe finds no reader
+        out, err = supervisor.communicate("\n", timeout=30)
+    finally:
+        supervisor.kill()
+    assert supervisor.returncode == 3, err
+    assert "cannot import vLLM" in err and "exited on its own (exit 3)" in err
