@@ -217,7 +217,7 @@ def test_kill_9_of_serve_or_of_its_engine_leaves_no_process_and_no_stale_ready(
     first = _serve(tmp_path / "first", tiny_root, api_key_file, stop_cache)
     first_instance = first.status()["instance"]
     engine = _engine_processes(first)
-    assert len(engine) >= 3  # API server, engine core, worker
+    assert len(engine) >= 3  # API server, its resource tracker, engine core (the CPU worker runs in it)
     os.kill(first.process.pid, signal.SIGKILL)  # qwen38 serve itself: no cleanup code runs in it
     first.process.wait()
     assert _gone(first_instance, 15, engine) == []  # its reaper ended them

@@ -36,10 +36,7 @@ def test_plan_equals_the_engine_with_speculation_and_without_prefix_caching(cpu_
 
 
 def test_plan_equals_the_engine_without_prefix_caching_or_speculation(tiny_root, api_key_file, tmp_path):
-    # The engine core in the API server's process: one vLLM import fewer, the same pool.
-    log = serve_until_pool_logged(
-        tmp_path, tiny_root, api_key_file, PREFIX_CACHING="false", SPECULATION="false", VLLM_ENABLE_V1_MULTIPROCESSING="0"
-    )
+    log = serve_until_pool_logged(tmp_path, tiny_root, api_key_file, PREFIX_CACHING="false", SPECULATION="false")
     _assert_plan_is_the_engines(log)
 
 

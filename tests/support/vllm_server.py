@@ -26,6 +26,7 @@ def server_env(cache_root: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["VLLM_CACHE_ROOT"] = str(cache_root)
     env["PYTHONUNBUFFERED"] = "1"
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the CPU worker in the engine core, as profiles/cpu.toml runs it
     return env
 
 
