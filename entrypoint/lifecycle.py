@@ -103,6 +103,22 @@ def group_members(pgid: int) -> list[int]:
     return found
 
 
+def processes_with(entry: str) -> list[int]:
+    """Live processes other than this one whose environment holds ``entry`` (``NAME=value``)."""
+    marker = entry.encode()
+    found = []
+    for pid in _pids():
+        if pid == os.getpid():
+            continue
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue  # gone, or another user's
+        if marker in environ.split(b"\0") and process_alive(pid):
+            found.append(pid)
+    return found
+
+
 def processes_of_instance(instance: str, record: RunRecord | None = None) -> list[int]:
     """Live processes of one start: those whose environment carries ``QWEN38_INSTANCE=<instance>``
     and, given that start's run record, the members of its engine's process group.
@@ -111,18 +127,8 @@ def processes_of_instance(instance: str, record: RunRecord | None = None) -> lis
     setproctitle, which overwrites the memory ``/proc/PID/environ`` reads, so their mark is
     lost there. They stay in the process group the supervisor made for the engine (vLLM's
     spawn and fork keep it), which the record names (`engine_group`)."""
-    marker = f"{INSTANCE_ENV}={instance}".encode()
     found = set(engine_group(record)) if record is not None and record.instance == instance else set()
-    for pid in _pids():
-        if pid == os.getpid() or pid in found:
-            continue
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue  # gone, or another user's
-        if marker in environ.split(b"\0") and process_state(pid) not in (None, "Z"):
-            found.add(pid)
-    return sorted(found)
+    return sorted(found | set(processes_with(f"{INSTANCE_ENV}={instance}")))
 
 
 def engine_group(record: RunRecord) -> list[int]:

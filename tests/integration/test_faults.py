@@ -32,7 +32,7 @@ import pytest
 from entrypoint.auth import OPEN_PATHS
 from entrypoint.bench.shutdown import stop_mid_stream
 from entrypoint.drain import SHUTDOWN_MESSAGE
-from entrypoint.lifecycle import engine_group, process_state, processes_of_instance, read_record, record_path
+from entrypoint.lifecycle import engine_group, process_alive, processes_of_instance, read_record, record_path
 from entrypoint.profiles import SHUTDOWN_MARGIN_S
 from tests.conftest import QWEN38, clean_env, free_port, launch_server, read_verdict, run_cli, wait_ready
 from tests.support.routes import concrete, logged_routes
@@ -50,7 +50,7 @@ def _gone(instance: str, timeout: float, pids: list[int] = ()) -> list[int]:
     deadline = time.monotonic() + timeout
 
     def alive() -> list[int]:
-        return sorted(set(processes_of_instance(instance)) | {p for p in pids if process_state(p) not in (None, "Z")})
+        return sorted(set(processes_of_instance(instance)) | {p for p in pids if process_alive(p)})
 
     while (left := alive()) and time.monotonic() < deadline:
         time.sleep(0.2)

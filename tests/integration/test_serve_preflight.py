@@ -5,25 +5,13 @@ it printed), and a plan is reused across restarts while nothing it depends on ch
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
+from entrypoint.lifecycle import processes_with
 from tests.conftest import clean_env, free_port, run_cli
 
 pytestmark = pytest.mark.integration
-
-
-def _processes_with(entry: str) -> list[int]:
-    """Live processes whose environment holds ``entry`` (NAME=value)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and entry.encode() in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
 
 
 def test_a_profile_that_cannot_fit_is_refused_before_vllm_loads_anything(tiny_root, api_key_file, tmp_path):
@@ -37,7 +25,7 @@ def test_a_profile_that_cannot_fit_is_refused_before_vllm_loads_anything(tiny_ro
     assert "qwen38: verified cpu" in result.stdout
     assert not (tmp_path / "cache" / "run" / "cpu.vllm.yaml").exists()  # nothing was rendered to run
     assert not re.search(r"^(INFO|WARNING|ERROR) \d\d-\d\d ", result.stdout + result.stderr, re.M)  # no vLLM log line
-    assert _processes_with(f"CACHE_DIR={tmp_path / 'cache'}") == []  # the held engine went with the refusal
+    assert processes_with(f"CACHE_DIR={tmp_path / 'cache'}") == []  # the held engine went with the refusal
 
     again = run_cli("serve", "--profile", "cpu", env=env, timeout=600)
     assert again.returncode == 2 and again.stderr == result.stderr  # the cached verdict, same line

@@ -22,6 +22,7 @@ from entrypoint.launch import run_dir, status_path
 from entrypoint.lifecycle import (
     RunRecord,
     engine_group,
+    process_alive,
     process_start_time,
     process_state,
     processes_of_instance,
@@ -236,9 +237,9 @@ def test_when_serve_is_killed_its_reaper_ends_every_process_of_the_instance(tmp_
         serve.kill()  # SIGKILL: no cleanup code runs in it
         serve.wait()
         deadline = time.monotonic() + 10
-        while any(process_state(pid) not in (None, "Z") for pid in engine) and time.monotonic() < deadline:
+        while any(process_alive(pid) for pid in engine) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert [pid for pid in engine if process_state(pid) not in (None, "Z")] == []
+        assert [pid for pid in engine if process_alive(pid)] == []
     finally:
         for pid in engine:
             with contextlib.suppress(ProcessLookupError):
