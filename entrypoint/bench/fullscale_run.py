@@ -120,7 +120,7 @@ def next_action(state: RunState, remaining_s: float, sizes: str = "quick",
 def read_state(root: Path, served: dict[str, fs.Served] | None = None, skip_prep: tuple[str, ...] = ()) -> RunState:
     """The run's state from ``root``'s results (``skip_prep``: steps counted as done, for a dry run)."""
     served = served or fs.SERVED
-    prepared = tuple(step for step in PREP if step in skip_prep or (fs.read_result(root, step) or {}).get("done"))
+    prepared = tuple(step for step in PREP if step in skip_prep or _prepared(root, step, served))
     bandwidth = fs.read_result(root, "bandwidth") or {}
     profiles = fs.read_result(root, "profiles") or {}
     total = profiles.get("device_total_bytes") or bandwidth.get("device_total_bytes")
@@ -145,6 +145,17 @@ def read_state(root: Path, served: dict[str, fs.Served] | None = None, skip_prep
         servers.append(Server(name, status, budget, s.measure))
     warmed = any(fs.read_result(root, f"{name}.ready") for name in fs.SERVED.keys() | served.keys())
     return RunState(prepared, tuple(servers), total, bandwidth.get("pid_attribution"), warmed)
+
+
+def _prepared(root: Path, step: str, served: dict[str, fs.Served]) -> bool:
+    """Whether preparation ``step`` is done for ``served``: the adapter is not needed without a
+    `spark-lora` copy, and artifacts generated for a smaller set do not serve a larger one."""
+    if step == "adapter" and not fs.spark_served(served):
+        return True
+    result = fs.read_result(root, step) or {}
+    if step == "generate" and result.get("only") is not None and fs.spark_served(served):
+        return False  # generated for the 3090 profiles only: the Spark's artifacts are still to write
+    return bool(result.get("done"))
 
 
 def _failed_to_fit(root: Path, name: str, statuses: dict[str, Status]) -> bool:
@@ -249,7 +260,8 @@ def _prep(root: Path, step: str, size: str, workers: int | None, total_bytes: in
     elif step == "bandwidth":
         fs.step_bandwidth(root)
     elif step == "generate":  # the disk's speed from 4 GiB at full size, a token amount for a dry run
-        fs.step_generate(root, size, workers, (4 << 30) if size == "full" else (64 << 20))
+        fs.step_generate(root, size, workers, (4 << 30) if size == "full" else (64 << 20),
+                         fs.generated_variants(size, served))
     elif step == "requantize":
         fs.step_requantize(root)
     elif step == "adapter":

@@ -82,6 +82,9 @@ SERVED: dict[str, Served] = {
     "long-nospec-full": Served("long", HEADLESS_3090_BYTES, speculation=False),
     "single-warm-full": Served("single", HEADLESS_3090_BYTES, measure=False),
 }
+# The artifacts the 3090 profiles serve (`single`, `long`): what `generate` writes when no
+# `spark-lora` copy is served.
+RTX3090_VARIANTS = ("qwen3.8-27b-w4a16", "qwen3.8-27b-dflash2-w4a16")
 CAPPED = ("single", "long")  # the profiles whose budget is a headless 3090's
 
 VERIFY_DEPTHS = (25_000, 128_000)  # the split-KV verify kernel's contexts (docs/split-kv.md)
@@ -367,21 +370,60 @@ def disk_speed(directory: Path, size: int = 4 << 30) -> dict[str, float]:
     return {"write_mb_s": size / write_s / 1e6, "read_mb_s": size / read_s / 1e6, "bytes": size}
 
 
-def step_generate(root: Path, size: str, workers: int | None, disk_bytes: int = 4 << 30) -> dict[str, Any]:
+def spark_served(served: dict[str, Served] | None = None) -> bool:
+    """Whether a served copy is `spark-lora`'s: only then are the Spark's artifacts (the NVFP4
+    target, the bf16 drafter, the directions; 27 GB of the 46.5) and the adapter needed."""
+    return any(s.base == "spark-lora" for s in (served or SERVED).values())
+
+
+def generated_variants(size: str, served: dict[str, Served] | None = None) -> list[str] | None:
+    """What `generate` writes for ``served``: None (the preset's whole set) when a `spark-lora`
+    copy is served or the preset is the cpu set; else the 3090's target and drafter only."""
+    from prepare.synthetic import TINY_PRESET
+
+    if size == TINY_PRESET or spark_served(served):
+        return None
+    return list(RTX3090_VARIANTS)
+
+
+def step_generate(root: Path, size: str, workers: int | None, disk_bytes: int = 4 << 30,
+                  only: list[str] | None = None) -> dict[str, Any]:
     from prepare.synthetic import TINY_PRESET
 
     # The profiles' slots: artifacts/<key> for the presets of the real models, tiny/<role> for the cpu set.
     models = root / "models" / ("tiny" if size == TINY_PRESET else "artifacts")
     models.mkdir(parents=True, exist_ok=True)
-    result = {"disk": disk_speed(models.parent, disk_bytes)}
+    if size != TINY_PRESET:
+        check_disk_room(models, size, only)
+    result: dict[str, Any] = {"disk": disk_speed(models.parent, disk_bytes), "only": only}
     _write(root, "generate", result)
     from prepare.generate import generate
 
-    generated = generate(models, size, workers=workers, keep_current=True)
+    generated = generate(models, size, workers=workers, keep_current=True, only=only)
     result["generated"] = generated.summary()
     result["done"] = True
     _write(root, "generate", result)
     return result
+
+
+# Room kept beyond the artifacts: requantize's int8 shards (2.6 GB at full size) and the caches.
+DISK_HEADROOM_BYTES = 6 * GIB
+
+
+def check_disk_room(models: Path, size: str, only: list[str] | None) -> None:
+    """Refuse before writing when the artifacts still to write do not fit ``models``' disk."""
+    from prepare.synthetic import preset, variant_tensors
+
+    p = preset(size)
+    chosen = only or list(p.variants)
+    needed = sum(t.nbytes for v in chosen if not (models / v / "qwen38-manifest.json").exists()
+                 for t in variant_tensors(p, v))
+    free = shutil.disk_usage(models).free
+    if needed and free < needed + DISK_HEADROOM_BYTES:
+        hint = "" if only else ("; `qwen38 bench fullscale run --served single-full,long-full` (no spark-lora copy) "
+                                "writes the 3090 artifacts only, 19.8 GB")
+        raise BenchError(f"generate: {needed / 1e9:.1f} GB of artifacts (+{DISK_HEADROOM_BYTES / GIB:.0f} GiB room) "
+                         f"do not fit the {free / 1e9:.1f} GB free on {models}'s disk{hint}")
 
 
 def _child_rss(argv: list[str]) -> tuple[int, float, int, str]:

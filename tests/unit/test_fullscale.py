@@ -283,3 +283,35 @@ def test_served_copies_are_chosen_by_name_in_their_start_order():
     assert served_subset(None) is None
     with pytest.raises(BenchError, match="--served nope: unknown"):
         served_subset("single-full,nope")
+
+
+def test_without_a_spark_lora_copy_only_the_3090_artifacts_are_generated_and_no_adapter_built(tmp_path):
+    """`--served single-full,long-full` writes 19.8 GB instead of 46.5; a later call that serves
+    `spark-lora` finds generate not done for it (the rest is written then) and wants the adapter."""
+    from entrypoint.bench.fullscale import served_subset
+    from entrypoint.bench.fullscale_run import read_state
+
+    rtx = served_subset("single-full,long-full")
+    assert fs.generated_variants("full", rtx) == ["qwen3.8-27b-w4a16", "qwen3.8-27b-dflash2-w4a16"]
+    assert fs.generated_variants("full", None) is None and fs.generated_variants("tiny", rtx) is None
+    root = tmp_path / "run"
+    generated = fs.step_generate(root, "small", workers=1, disk_bytes=8 << 20, only=fs.generated_variants("small", rtx))
+    assert sorted(generated["generated"]["models"]) == ["qwen3.8-27b-dflash2-w4a16", "qwen3.8-27b-w4a16"]
+    assert not (root / "models" / "artifacts" / "qwen3.8-27b-nvfp4").exists()
+    assert read_state(root, rtx).prepared == ("generate", "adapter")
+    assert read_state(root, None).prepared == ()
+
+
+def test_generate_refuses_before_writing_when_the_artifacts_do_not_fit_the_disk(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 30, 30 << 30, 34 << 30))
+    with pytest.raises(BenchError) as refused:
+        fs.step_generate(tmp_path / "run", "full", workers=1, disk_bytes=8 << 20)
+    message = str(refused.value)
+    assert "46.5 GB of artifacts" in message and "36.5 GB free" in message
+    assert "qwen38 bench fullscale run --served single-full,long-full" in message
+    assert not (tmp_path / "run" / "models" / "artifacts" / "qwen3.8-27b-w4a16").exists()
+    fs.check_disk_room(tmp_path, "full", list(fs.RTX3090_VARIANTS))  # 19.8 GB + room fits 36.5
