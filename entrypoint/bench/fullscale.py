@@ -12,6 +12,7 @@ or the steps one by one:
     qwen38 bench fullscale rates      --root R           # per-core draw rates here -> projected generate time
     qwen38 bench fullscale patches    --root R           # the series applied to the importable vLLM, proven
     qwen38 bench fullscale bandwidth  --root R           # device copy bandwidth; does nvidia-smi list our pids
+    qwen38 bench fullscale prebuild   --root R           # FlashInfer's sampling kernels, as the images build them
     qwen38 bench fullscale generate   --root R           # full-size artifacts (qwen38 generate --size full)
     qwen38 bench fullscale requantize --root R           # int8 embed/lm_head: RSS vs largest tensor, MB/s vs disk
     qwen38 bench fullscale adapter    --root R           # the spark-lora adapter from the NVFP4 target
@@ -47,6 +48,7 @@ from entrypoint.bench.fullscale_steps import (
     step_generate,
     step_measure,
     step_patches,
+    step_prebuild,
     step_profiles,
     step_report,
     step_requantize,
@@ -80,6 +82,8 @@ def _cmd(args: argparse.Namespace) -> int:
         result = step_patches(root)
     elif step == "bandwidth":
         result = step_bandwidth(root)
+    elif step == "prebuild":
+        result = step_prebuild(root)
     elif step == "generate":
         result = step_generate(root, args.size, args.workers, args.disk_bytes)
     elif step == "requantize":
@@ -119,8 +123,8 @@ def served_subset(names: str | None) -> dict[str, Served] | None:
     return {name: s for name, s in SERVED.items() if name in wanted}
 
 
-STEPS = ("run", "rates", "patches", "bandwidth", "generate", "requantize", "adapter", "profiles", "start", "wait",
-         "measure", "stop", "report", "sample")
+STEPS = ("run", "rates", "patches", "bandwidth", "prebuild", "generate", "requantize", "adapter", "profiles", "start",
+         "wait", "measure", "stop", "report", "sample")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

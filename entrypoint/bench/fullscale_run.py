@@ -9,8 +9,8 @@ it answers ``done``.
 
 What comes next (`next_action`, pure):
 
-1. the preparation steps in order (patches, bandwidth, generate, requantize, adapter,
-   profiles), each only when its estimate fits the time left;
+1. the preparation steps in order (patches, bandwidth, prebuild, generate, requantize,
+   adapter, profiles), each only when its estimate fits the time left;
 2. a measured server is stopped (its memory goes to the next);
 3. a ready server is measured, but only while no other server is starting (a start's
    compiling, warm-up and graph capture would run beside the measured steps);
@@ -34,11 +34,11 @@ from typing import Any, Literal
 from entrypoint.bench import fullscale_steps as fs
 from entrypoint.errors import BenchError
 
-PREP = ("patches", "bandwidth", "generate", "requantize", "adapter", "profiles")
+PREP = ("patches", "bandwidth", "prebuild", "generate", "requantize", "adapter", "profiles")
 # Seconds a step needs left in the call before it starts (full size on the GPU machine, generously;
 # the reduced presets of a dry run take seconds).
-ESTIMATE_S = {"patches": 60, "bandwidth": 60, "generate": 240, "requantize": 180, "adapter": 300, "profiles": 90,
-              "start": 20}
+ESTIMATE_S = {"patches": 60, "bandwidth": 60, "prebuild": 180, "generate": 240, "requantize": 180, "adapter": 300,
+              "profiles": 90, "start": 20}
 REDUCED_ESTIMATE_S = {step: 30 for step in ESTIMATE_S}
 MEASURE_S = {"full": 480, "quick": 240, "tiny": 120}
 # Packing servers side by side: each one's CUDA context lies outside its allocator cap, and
@@ -259,6 +259,8 @@ def _prep(root: Path, step: str, size: str, workers: int | None, total_bytes: in
         fs.step_patches(root)
     elif step == "bandwidth":
         fs.step_bandwidth(root)
+    elif step == "prebuild":
+        fs.step_prebuild(root)
     elif step == "generate":  # the disk's speed from 4 GiB at full size, a token amount for a dry run
         fs.step_generate(root, size, workers, (4 << 30) if size == "full" else (64 << 20),
                          fs.generated_variants(size, served))

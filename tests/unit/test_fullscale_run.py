@@ -19,8 +19,9 @@ def server(name: str, status: str, budget: int = CAP, measure: bool = True) -> S
 
 def test_preparation_comes_first_in_order_and_only_when_its_estimate_fits():
     assert next_action(state(prepared=()), 540) == Action("prep", "patches")
-    assert next_action(state(prepared=PREP[:2]), 540) == Action("prep", "generate")
-    ended = next_action(state(prepared=PREP[:2]), 100)
+    assert next_action(state(prepared=PREP[:2]), 540) == Action("prep", "prebuild")
+    assert next_action(state(prepared=PREP[:3]), 540) == Action("prep", "generate")
+    ended = next_action(state(prepared=PREP[:3]), 100)
     assert ended.kind == "end" and ended.name == "generate" and "100 s left" in ended.why
 
 
