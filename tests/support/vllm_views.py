@@ -99,6 +99,17 @@ def last_json_line(done: subprocess.CompletedProcess) -> dict:
     )
 
 
+def json_in_views(code: str, views: dict[str, Path], timeout: int = 900, **extra: str) -> dict[str, dict]:
+    """``code``'s JSON result in each view (``{"stock": ..., "patched": ...}``), the children run
+    side by side: each is mostly one core importing vLLM, so two take the time of one here."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = list(views)
+    with ThreadPoolExecutor(len(names)) as pool:
+        done = list(pool.map(lambda name: run_python(code, views[name], timeout, **extra), names))
+    return {name: last_json_line(result) for name, result in zip(names, done)}
+
+
 @pytest.fixture(scope="session")
 def vllm_views(tmp_path_factory) -> dict[str, Path]:
     """{"stock": dir, "patched": dir} for the installed vLLM, or skip."""

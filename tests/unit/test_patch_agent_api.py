@@ -5,11 +5,9 @@ the official SDKs: tests/integration/test_agent_clients.py."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
+from tests.support.vllm_views import json_in_views, vllm_views  # noqa: F401
 
 pytestmark = pytest.mark.slow  # imports vLLM in child processes
 
@@ -116,10 +114,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def probes(vllm_views) -> dict[str, dict]:
-    views = ("patched", "stock")
-    with ThreadPoolExecutor(len(views)) as pool:  # two child processes at once: half the wall time
-        done = pool.map(lambda view: run_python(PROBE, vllm_views[view], timeout=600), views)
-        return {view: last_json_line(result) for view, result in zip(views, done)}
+    return json_in_views(PROBE, vllm_views, timeout=600)
 
 
 def test_patched_chat_takes_an_empty_tools_array_as_no_tools(probes):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_views import last_json_line, real_shapes_as_cuda_prelude, run_python, vllm_views  # noqa: F401
+from tests.support.vllm_views import json_in_views, real_shapes_as_cuda_prelude, vllm_views  # noqa: F401
 
 pytestmark = pytest.mark.slow  # starts vLLM in a child process
 
@@ -26,12 +26,17 @@ print(json.dumps({{"7": hashes["7"], "9": hashes["9"]}}))
 """
 
 
-def test_patched_compile_hash_differs_between_depths(vllm_views):
-    result = last_json_line(run_python(CHECK, vllm_views["patched"], timeout=900))
+@pytest.fixture(scope="module")
+def hashes(vllm_views) -> dict[str, dict]:
+    return json_in_views(CHECK, vllm_views)
+
+
+def test_patched_compile_hash_differs_between_depths(hashes):
+    result = hashes["patched"]
     assert result["7"][0] == result["7"][1], "the hash must be stable for one depth"
     assert result["9"][0] != result["7"][0]
 
 
-def test_stock_compile_hash_ignores_the_depth(vllm_views):
-    result = last_json_line(run_python(CHECK, vllm_views["stock"], timeout=900))
+def test_stock_compile_hash_ignores_the_depth(hashes):
+    result = hashes["stock"]
     assert result["9"][0] == result["7"][0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
+from tests.support.vllm_views import json_in_views, vllm_views  # noqa: F401
 
 pytestmark = pytest.mark.slow  # starts vLLM in a child process
 
@@ -54,22 +54,18 @@ print(json.dumps(result))
 
 
 @pytest.fixture(scope="module")
-def small_models(tmp_path_factory):
+def loaded(tmp_path_factory, vllm_views) -> dict[str, dict]:
+    """The check's result on the patched and the stock tree, over one generated target and drafter."""
     from prepare.generate import generate_model
 
     root = tmp_path_factory.mktemp("gptq-drafter")
-    return (generate_model(root / "target", "small", "qwen3.8-27b-w4a16"),
-            generate_model(root / "drafter", "small", "qwen3.8-27b-dflash2-w4a16"))
+    target = generate_model(root / "target", "small", "qwen3.8-27b-w4a16")
+    drafter = generate_model(root / "drafter", "small", "qwen3.8-27b-dflash2-w4a16")
+    return json_in_views(f"target, drafter = {str(target)!r}, {str(drafter)!r}\n" + CHECK, vllm_views)
 
 
-def _check(view, models) -> dict:
-    target, drafter = models
-    code = f"target, drafter = {str(target)!r}, {str(drafter)!r}\n" + CHECK
-    return last_json_line(run_python(code, view, timeout=900))
-
-
-def test_patched_drafter_quantizes_every_layer_linear_and_loads_the_gptq_checkpoint(vllm_views, small_models):
-    result = _check(vllm_views["patched"], small_models)
+def test_patched_drafter_quantizes_every_layer_linear_and_loads_the_gptq_checkpoint(loaded):
+    result = loaded["patched"]
     layer_linears = {name: method for name, method in result["methods"].items()
                      if ".layers." in name and name.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
     assert layer_linears and set(layer_linears.values()) == {"AutoGPTQLinearMethod"}, layer_linears
@@ -80,7 +76,7 @@ def test_patched_drafter_quantizes_every_layer_linear_and_loads_the_gptq_checkpo
     assert {"qweight", "scales", "g_idx"} <= set(result["down_proj_params"])
 
 
-def test_stock_drafter_builds_its_layers_unquantized_and_fails_on_g_idx(vllm_views, small_models):
-    result = _check(vllm_views["stock"], small_models)
+def test_stock_drafter_builds_its_layers_unquantized_and_fails_on_g_idx(loaded):
+    result = loaded["stock"]
     assert result["methods"]["model.layers.0.mlp.down_proj"] == "UnquantizedLinearMethod"
     assert not result["loaded"] and "g_idx" in result["error"], result

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
+from tests.support.vllm_views import json_in_views, vllm_views  # noqa: F401
 
 pytestmark = pytest.mark.slow  # starts vLLM in a child process
 
@@ -107,8 +107,13 @@ print(json.dumps(results))
 """
 
 
-def test_context_kv_weight_is_the_dequantized_kv_rows(vllm_views):
-    result = last_json_line(run_python(CHECK, vllm_views["patched"], timeout=600))
+@pytest.fixture(scope="module")
+def built(vllm_views) -> dict[str, dict]:
+    return json_in_views(CHECK, vllm_views, timeout=600)
+
+
+def test_context_kv_weight_is_the_dequantized_kv_rows(built):
+    result = built["patched"]
     assert result == {
         "ct_sym": True,
         "ct_asym": True,
@@ -119,7 +124,7 @@ def test_context_kv_weight_is_the_dequantized_kv_rows(vllm_views):
     }
 
 
-def test_stock_vllm_cannot_build_context_kv_from_a_quantized_layer(vllm_views):
-    result = last_json_line(run_python(CHECK, vllm_views["stock"], timeout=600))
+def test_stock_vllm_cannot_build_context_kv_from_a_quantized_layer(built):
+    result = built["stock"]
     assert result["ct_sym"] == "AttributeError" and result["gptq"] == "AttributeError"
     assert result["dense"] is True
