@@ -55,9 +55,8 @@ agent-clients:
 	test -x $(AGENT_CLIENTS_DIR)/venv/bin/python || $(PYTHON) -m venv $(AGENT_CLIENTS_DIR)/venv
 	$(AGENT_CLIENTS_DIR)/venv/bin/python -m pip install -q openai-agents==$(OPENAI_AGENTS_VERSION)
 
-# The unit tests run beside the rest, niced (tests/suite.py); with PYTEST_ARGS one plain run of those.
 test: setup prometheus
-	$(BIN)/python -m tests.suite $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Debian's Prometheus (prometheus + promtool) for the monitoring tests, unpacked into .venv
 # (no service installed or started, no root needed where apt's lists are current); the tests
