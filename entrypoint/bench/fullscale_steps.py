@@ -439,13 +439,20 @@ def check_disk_room(models: Path, size: str, only: list[str] | None) -> None:
     from prepare.synthetic import preset, variant_tensors
 
     p = preset(size)
-    chosen = only or list(p.variants)
-    needed = sum(t.nbytes for v in chosen if not (models / v / "qwen38-manifest.json").exists()
-                 for t in variant_tensors(p, v))
+
+    def still_to_write(variants: list[str]) -> int:
+        return sum(t.nbytes for v in variants if not (models / v / "qwen38-manifest.json").exists()
+                   for t in variant_tensors(p, v))
+
+    needed = still_to_write(only or list(p.variants))
     free = shutil.disk_usage(models).free
     if needed and free < needed + DISK_HEADROOM_BYTES:
-        hint = "" if only else ("; `qwen38 bench fullscale run --served single-full,long-full` (no spark-lora copy) "
-                                "writes the 3090 artifacts only, 19.8 GB")
+        root = models.parent.parent  # ROOT/models/artifacts
+        rtx = still_to_write(list(RTX3090_VARIANTS))
+        fits_rtx = not only and set(RTX3090_VARIANTS) <= set(p.variants) and free >= rtx + DISK_HEADROOM_BYTES
+        hint = (f"; `qwen38 bench fullscale run --root {root} --served single-full,long-full` (no spark-lora copy) "
+                f"writes the 3090 artifacts only, {rtx / 1e9:.1f} GB" if fits_rtx
+                else "; free space there or give --root a larger disk")
         raise BenchError(f"generate: {needed / 1e9:.1f} GB of artifacts (+{DISK_HEADROOM_BYTES / GIB:.0f} GiB room) "
                          f"do not fit the {free / 1e9:.1f} GB free on {models}'s disk{hint}")
 

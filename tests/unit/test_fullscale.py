@@ -312,9 +312,13 @@ def test_generate_refuses_before_writing_when_the_artifacts_do_not_fit_the_disk(
         fs.step_generate(tmp_path / "run", "full", workers=1, disk_bytes=8 << 20)
     message = str(refused.value)
     assert "46.5 GB of artifacts" in message and "36.5 GB free" in message
-    assert "qwen38 bench fullscale run --served single-full,long-full" in message
+    assert f"qwen38 bench fullscale run --root {tmp_path / 'run'} --served single-full,long-full" in message
     assert not (tmp_path / "run" / "models" / "artifacts" / "qwen3.8-27b-w4a16").exists()
     fs.check_disk_room(tmp_path, "full", list(fs.RTX3090_VARIANTS))  # 19.8 GB + room fits 36.5
+    # Where not even the 3090's artifacts fit, the hint is the disk itself.
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 30, 50 << 30, 14 << 30))
+    with pytest.raises(BenchError, match="free space there or give --root a larger disk$"):
+        fs.check_disk_room(tmp_path / "models" / "artifacts", "full", None)
 
 
 def test_the_flashinfer_prebuild_step_is_recorded_and_never_stops_the_run(tmp_path):
