@@ -436,12 +436,13 @@ DISK_HEADROOM_BYTES = 6 * GIB
 
 def check_disk_room(models: Path, size: str, only: list[str] | None) -> None:
     """Refuse before writing when the artifacts still to write do not fit ``models``' disk."""
+    from prepare.manifest import MANIFEST_NAME
     from prepare.synthetic import preset, variant_tensors
 
     p = preset(size)
 
     def still_to_write(variants: list[str]) -> int:
-        return sum(t.nbytes for v in variants if not (models / v / "qwen38-manifest.json").exists()
+        return sum(t.nbytes for v in variants if not (models / v / MANIFEST_NAME).exists()
                    for t in variant_tensors(p, v))
 
     needed = still_to_write(only or list(p.variants))
