@@ -65,11 +65,18 @@ class Served:
     after_failure_of: str | None = None  # started only when that one failed (e.g. did not fit)
     measure: bool = True  # False: a restart that only times the (warm) start
     env: tuple[tuple[str, str], ...] = ()  # for vLLM, besides the profile's (e.g. a patch's switch)
+    lookup: bool = False  # reproduction mode: the profile's verify block (16) with lookup drafting
+    max_model_len: int | None = None  # None: the profile's
+    workloads: tuple[str, ...] | None = None  # the measured workloads (None: every one of the size)
+
+
+VERIFY_DEPTHS = (25_000, 128_000)  # the split-KV verify kernel's contexts (docs/split-kv.md)
+LOOKUP_LONG_CONTEXT = 113_280  # `long` with the 16-token block: what its pinned pool holds (docs/lookup.md)
 
 
 # In the order they are started (what matters most first, for a lease that ends before the
 # list does): the three real profiles (they fit side by side), then the references - without
-# speculation, without the split-KV verify kernel - and a warm restart of `single`.
+# speculation, with lookup drafting, without the split-KV verify kernel - and a warm restart of `single`.
 SERVED: dict[str, Served] = {
     "single-full": Served("single", HEADLESS_3090_BYTES),
     "long-full": Served("long", HEADLESS_3090_BYTES),
@@ -78,7 +85,14 @@ SERVED: dict[str, Served] = {
     "single-uncapped-full": Served("single", None, after_failure_of="single-full"),
     "long-uncapped-full": Served("long", None, after_failure_of="long-full"),
     "single-nospec-full": Served("single", HEADLESS_3090_BYTES, speculation=False),
-    "long-nosplit-full": Served("long", HEADLESS_3090_BYTES, env=(("QWEN38_SPLIT_KV", "0"),)),  # patch 0045 off
+    # Reproduction mode (patch 0072): the 16-token verify block at depth and tokens per step;
+    # the wider block's GDN state leaves `long`'s pinned pool 113,280 tokens (docs/lookup.md).
+    "long-lookup-full": Served("long", HEADLESS_3090_BYTES, lookup=True, max_model_len=LOOKUP_LONG_CONTEXT,
+                               workloads=("c1", "verify")),
+    # Patch 0045 off: the verify step's attention without the split-KV kernel (the decode
+    # steps at depth are what differ).
+    "long-nosplit-full": Served("long", HEADLESS_3090_BYTES, env=(("QWEN38_SPLIT_KV", "0"),),
+                                workloads=("c1", "verify")),
     "long-nospec-full": Served("long", HEADLESS_3090_BYTES, speculation=False),
     "single-warm-full": Served("single", HEADLESS_3090_BYTES, measure=False),
 }
@@ -87,23 +101,27 @@ SERVED: dict[str, Served] = {
 RTX3090_VARIANTS = ("qwen3.8-27b-w4a16", "qwen3.8-27b-dflash2-w4a16")
 CAPPED = ("single", "long")  # the profiles whose budget is a headless 3090's
 
-VERIFY_DEPTHS = (25_000, 128_000)  # the split-KV verify kernel's contexts (docs/split-kv.md)
 
 
 @dataclass(frozen=True)
 class Workload:
     """One measured run: a `qwen38 bench` workload and its flags (its depths, if any, are
-    dropped where they do not fit the served copy's max_model_len)."""
+    dropped where they do not fit the served copy's max_model_len; with ``clamp``, measured
+    once more at the deepest context that fits, to the thousand)."""
 
     bench: str
     args: tuple[str, ...]
     depths: tuple[int, ...] = ()
     output_tokens: int = 0
+    clamp: bool = False  # a depth that does not fit is measured at the deepest that does
 
     def argv(self, max_model_len: int) -> list[str] | None:
         if not self.depths:
             return list(self.args)
-        fits = [d for d in self.depths if d + self.output_tokens + 256 <= max_model_len]
+        deepest = (max_model_len - self.output_tokens - 256) // 1000 * 1000
+        fits = [d for d in self.depths if d <= deepest]
+        if self.clamp and deepest > 0 and len(fits) < len(self.depths) and deepest not in fits:
+            fits.append(deepest)
         if not fits:
             return None
         return [*self.args, "--depths", ",".join(map(str, fits)), "--output-tokens", str(self.output_tokens)]
@@ -116,11 +134,11 @@ MEASURE_SIZES: dict[str, dict[str, Workload]] = {
     "full": {"c1": Workload("c1", ("--requests", "5", "--output-tokens", "2048")),
              "c8": Workload("c8", ("--requests", "32")),
              "prefill": Workload("depth", (), PREFILL_TOKENS, 16),
-             "verify": Workload("depth", (), VERIFY_DEPTHS, 128)},
+             "verify": Workload("depth", (), VERIFY_DEPTHS, 128, clamp=True)},
     "quick": {"c1": Workload("c1", ("--requests", "2", "--output-tokens", "256")),
               "c8": Workload("c8", ("--requests", "16")),
               "prefill": Workload("depth", (), PREFILL_TOKENS, 16),
-              "verify": Workload("depth", (), VERIFY_DEPTHS, 48)},
+              "verify": Workload("depth", (), VERIFY_DEPTHS, 48, clamp=True)},
     "tiny": {"c1": Workload("c1", ("--requests", "1", "--input-tokens", "64", "--output-tokens", "24")),
              "c8": Workload("c8", ("--requests", "8", "--input-tokens", "64", "--output-tokens", "16")),
              "prefill": Workload("depth", (), (128, 512), 8),
@@ -133,7 +151,8 @@ MEASURE_SIZES: dict[str, dict[str, Workload]] = {
 
 
 def derive_profile(name: str, *, cap_fraction: float | None = None, speculation: bool = True,
-                   extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+                   extra_env: dict[str, str] | None = None, lookup: bool = False,
+                   max_model_len: int | None = None) -> dict[str, Any]:
     """The TOML data of profile ``name`` with every model slot generated (same dir, same transform).
 
     ``cap_fraction``: the fraction of this GPU's memory the served copy may use; it goes to
@@ -161,6 +180,12 @@ def derive_profile(name: str, *, cap_fraction: float | None = None, speculation:
         env["PYTORCH_CUDA_ALLOC_CONF"] = f"per_process_memory_fraction:{cap_fraction:.4f}"
     if not speculation and data.get("speculative"):
         data["speculative"]["enabled"] = False
+    if lookup:
+        if not (data.get("speculative") or {}).get("enabled", True) or not speculation:
+            raise BenchError(f"{name}: lookup drafting extends the drafter; this copy has speculation off")
+        data["speculative"]["lookup"] = True
+    if max_model_len is not None:
+        engine["max_model_len"] = max_model_len
     if extra_env:
         data.setdefault("env", {}).update(extra_env)
     return data
@@ -171,7 +196,8 @@ def profile_set(total_bytes: int, served: dict[str, Served] | None = None) -> di
     out = {}
     for name, s in (served or SERVED).items():
         cap = cap_fraction_for(total_bytes, s.budget) if s.budget is not None else None
-        out[name] = derive_profile(s.base, cap_fraction=cap, speculation=s.speculation, extra_env=dict(s.env))
+        out[name] = derive_profile(s.base, cap_fraction=cap, speculation=s.speculation, extra_env=dict(s.env),
+                                   lookup=s.lookup, max_model_len=s.max_model_len)
     return out
 
 
@@ -798,9 +824,14 @@ def step_measure(root: Path, profile: str, sizes: str = "quick") -> dict[str, An
     base = f"http://127.0.0.1:{start['port']}"
     key = _key_file(root)
     served = load_profile(profile, root / "profiles")
-    k = served.speculative.num_speculative_tokens if served.speculative and served.speculative.enabled else 0
+    spec = served.speculative
+    # Tokens drafted per verify step: the drafter's, plus lookup's in reproduction mode.
+    k = spec.num_speculative_tokens + spec.lookup_tokens(None, None) if spec and spec.enabled else 0
     result: dict[str, Any] = {"profile": profile, "sizes": sizes, "bench": {}, "decode": {}}
+    chosen = SERVED[profile].workloads if profile in SERVED else None
     for name, workload in MEASURE_SIZES[sizes].items():
+        if chosen is not None and name not in chosen:
+            continue
         extra = workload.argv(served.engine.max_model_len)
         if extra is None:
             result["bench"][name] = {"skipped": f"no depth fits max_model_len {served.engine.max_model_len}"}

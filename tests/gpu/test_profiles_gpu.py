@@ -89,9 +89,15 @@ class Tier:
             stop_server(server)
 
 
+# The tier made in this session, if any: the eager pool checks stop its servers first, and
+# run without it when selected alone (`-k test_plan_equals_the_cuda_engine_with`).
+STARTED: list[Tier] = []
+
+
 @pytest.fixture(scope="session")
 def tier(tmp_path_factory, tiny_root, api_key_file):
     tier = Tier(tmp_path_factory, tiny_root, api_key_file)
+    STARTED.append(tier)
     try:
         tier.launch("single")
         tier.gate("single")
@@ -217,13 +223,14 @@ OTHER_COMBINATIONS = [
 
 
 @pytest.fixture(scope="module")
-def pool_logs(tier, tmp_path_factory, tiny_root, api_key_file):
+def pool_logs(tmp_path_factory, tiny_root, api_key_file):
     """(profile, prefix caching, speculation) -> the log of a `qwen38 serve --no-ready-gate` of
     that tiny profile, stopped once the engine logged its KV pool. Eager (no compile, no CUDA
     graphs) to keep eight starts cheap: the pool is pinned in bytes, so graphs do not change it
     (the gated servers, with graphs, check that part). They run after the warm starts, when
-    the tier's own servers are stopped, four at a time."""
-    tier.stop_all()
+    the tier's own servers (if started) are stopped, four at a time."""
+    for tier in STARTED:
+        tier.stop_all()
     profiles_dir = tmp_path_factory.mktemp("profiles-eager")
     data = {}
     for name in PROFILES:

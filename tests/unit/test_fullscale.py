@@ -254,11 +254,17 @@ def test_the_summary_table_has_a_row_per_served_copy():
     assert "12.5 (1.00)" in text and "long-full: failed" in text
 
 
-def test_depths_that_do_not_fit_the_served_context_are_dropped():
+def test_depths_that_do_not_fit_the_served_context_are_measured_at_the_deepest_that_does():
     verify = fs.MEASURE_SIZES["quick"]["verify"]
     assert verify.argv(131_072) == ["--depths", "25000,128000", "--output-tokens", "48"]
-    assert verify.argv(65_536) == ["--depths", "25000", "--output-tokens", "48"]
-    assert verify.argv(16_384) is None
+    # `single` (65,536) and `long` with lookup (113,280): 128k is measured where it fits.
+    assert verify.argv(65_536) == ["--depths", "25000,65000", "--output-tokens", "48"]
+    assert verify.argv(fs.LOOKUP_LONG_CONTEXT) == ["--depths", "25000,112000", "--output-tokens", "48"]
+    assert verify.argv(16_384) == ["--depths", "16000", "--output-tokens", "48"]
+    assert fs.MEASURE_SIZES["quick"]["prefill"].argv(16_384) == ["--depths", "1000,10000", "--output-tokens", "16"]
+    # The CPU dry run's depths are dropped, never deepened (a 30k prefill there takes minutes).
+    assert fs.MEASURE_SIZES["tiny"]["verify"].argv(4096) == ["--depths", "1024", "--output-tokens", "16"]
+    assert fs.MEASURE_SIZES["tiny"]["verify"].argv(512) is None
     assert fs.MEASURE_SIZES["quick"]["c1"].argv(4096) == ["--requests", "2", "--output-tokens", "256"]
 
 
@@ -274,6 +280,21 @@ def test_the_split_kv_reference_differs_from_long_only_by_the_patch_switch():
     profiles = fs.profile_set(150_000_000_000)
     plain, nosplit = profiles["long-full"], profiles["long-nosplit-full"]
     assert nosplit["env"].pop("QWEN38_SPLIT_KV") == "0" and nosplit == plain
+
+
+def test_the_lookup_copy_is_long_in_reproduction_mode_at_the_context_its_pool_holds():
+    from entrypoint.profiles import Profile
+
+    profiles = fs.profile_set(150_000_000_000)
+    spec = Profile.model_validate({"name": "long-lookup-full", **profiles["long-lookup-full"]}).speculative
+    assert spec.num_speculative_tokens + spec.lookup_tokens(None, None) == 15  # the 16-token block
+    plain, lookup = profiles["long-full"], profiles["long-lookup-full"]
+    assert (lookup["speculative"].pop("lookup"), plain["speculative"].pop("lookup")) == (True, False)
+    assert lookup["engine"].pop("max_model_len") == fs.LOOKUP_LONG_CONTEXT
+    plain["engine"].pop("max_model_len")
+    assert lookup == plain
+    with pytest.raises(BenchError, match="speculation off"):
+        fs.derive_profile("long", speculation=False, lookup=True)
 
 
 def test_served_copies_are_chosen_by_name_in_their_start_order():
