@@ -16,11 +16,12 @@ tree: ``bin``, ``include``, ``nvvm``, ``lib64/<every library>`` plus the unversi
 which the NVIDIA container toolkit mounts at run time (so a JIT link resolves against the
 real driver). `link_toolkit` writes it (``qwen38 toolchain link``, at image build time).
 
-`prebuild_sampling_kernels` (``qwen38 toolchain prebuild``, at image build time) runs that JIT
-build once for the image's ``FLASHINFER_CUDA_ARCH_LIST`` and puts the module in FlashInfer's
-AOT directory, which FlashInfer loads before it would build anything: vLLM's sampler needs it
-at every start, and building it is minutes of nvcc (5-10 min on the 2-core development VM,
-docs/images.md), so a first start no longer pays for it.
+`prebuild_flashinfer_modules` (``qwen38 toolchain prebuild``, at image build time) runs those
+JIT builds once for the image's ``FLASHINFER_CUDA_ARCH_LIST`` and puts each module in
+FlashInfer's AOT directory, which FlashInfer loads before it would build anything: vLLM's
+sampler needs the sampling module at every start and the DFlash2 drafter the top-k one, and
+building them is minutes of nvcc (5-10 min for the sampling module on the 2-core development
+VM, docs/images.md), so a first start no longer pays for it.
 
 `check_toolchain` looks where FlashInfer looks (`jit_cuda_home`: ``CUDA_HOME``, ``CUDA_PATH``,
 else the directory above ``nvcc`` on PATH, else ``/usr/local/cuda``) and proves each piece;
@@ -220,18 +221,44 @@ def torch_cuda_version() -> str | None:
     return torch.version.cuda
 
 
-# ---- building FlashInfer's sampling kernels ahead of time ------------------------------------
+# ---- building FlashInfer's JIT modules ahead of time ----------------------------------------
+
+# The FlashInfer modules every profile's engine loads at its first start, each a JIT build of
+# minutes of nvcc where it is not prebuilt: vLLM's sampler (top-k / top-p), and the DFlash2
+# drafter's candidate selection (radix top-k over the vocabulary, vLLM's
+# `LogitsProcessor.get_top_k_tokens`: 140 s of nvcc inside the engine's profiling run of the
+# 2026-12-02 full-size cold start, docs/gpu.md). name -> (module, JitSpec factory).
+PREBUILT_MODULES: dict[str, tuple[str, str]] = {
+    "sampling": ("flashinfer.jit.sampling", "gen_sampling_module"),
+    "topk": ("flashinfer.jit.topk", "gen_topk_module"),
+}
 
 
-def prebuild_sampling_kernels(driver_dir: Path, workspace: Path) -> Path:
-    """JIT-build FlashInfer's sampling module now and install it as its AOT artifact.
+def _jit_spec(name: str):
+    import importlib
 
-    The build is FlashInfer's own (``gen_sampling_module().build()``: nvcc from CUDA_HOME for
+    module, factory = PREBUILT_MODULES[name]
+    return getattr(importlib.import_module(module), factory)()
+
+
+def prebuilt_missing() -> list[str]:
+    """The modules of `PREBUILT_MODULES` not yet in FlashInfer's AOT directory."""
+    return [name for name in PREBUILT_MODULES if not _jit_spec(name).aot_path.exists()]
+
+
+def prebuild_flashinfer_modules(driver_dir: Path, workspace: Path, names: list[str] | None = None) -> dict[str, Path]:
+    """JIT-build FlashInfer's modules now (``names``, default those missing) and install each
+    as its AOT artifact, which FlashInfer loads before it would build anything.
+
+    The builds are FlashInfer's own (``gen_*_module().build()``: nvcc from CUDA_HOME for
     ``FLASHINFER_CUDA_ARCH_LIST``, then ``c++ ... -lcudart -lcuda``). No driver exists at image
-    build time; the link only needs a ``libcuda.so.1`` to name (the module calls no driver
-    function: it needs libcudart alone), so an empty one stands where the container toolkit
-    mounts the real one, for this build only.
+    build time; the link only needs a ``libcuda.so.1`` to name, so an empty one stands where
+    the container toolkit mounts the real one, for these builds only (whatever a module takes
+    from the driver resolves against the real library when it is loaded).
     """
+    names = prebuilt_missing() if names is None else names
+    if not names:
+        return {}
     placeholder = driver_dir / "libcuda.so.1"
     made_placeholder = not placeholder.exists()
     if made_placeholder:
@@ -244,21 +271,22 @@ def prebuild_sampling_kernels(driver_dir: Path, workspace: Path) -> Path:
             raise ToolchainError(f"cannot make a placeholder {placeholder}: {built.stderr.strip()[-300:]}")
     # FlashInfer reads its workspace from the environment when its JIT modules are imported.
     os.environ["FLASHINFER_WORKSPACE_BASE"] = str(workspace)
+    installed = {}
     try:
-        from flashinfer.jit.sampling import gen_sampling_module
-
-        spec = gen_sampling_module()
-        try:
-            spec.build(verbose=False)
-        except RuntimeError as exc:
-            raise ToolchainError(f"FlashInfer's sampling kernels do not build: {str(exc)[-600:]}") from None
-        target = spec.aot_path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = target.with_name(f".{target.name}.incomplete")
-        shutil.copyfile(spec.jit_library_path, staging)
-        staging.chmod(0o755)
-        os.replace(staging, target)
-        return target
+        for name in names:
+            spec = _jit_spec(name)
+            try:
+                spec.build(verbose=False)
+            except RuntimeError as exc:
+                raise ToolchainError(f"FlashInfer's {name} module does not build: {str(exc)[-600:]}") from None
+            target = spec.aot_path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = target.with_name(f".{target.name}.incomplete")
+            shutil.copyfile(spec.jit_library_path, staging)
+            staging.chmod(0o755)
+            os.replace(staging, target)
+            installed[name] = target
+        return installed
     finally:
         if made_placeholder:
             placeholder.unlink(missing_ok=True)
@@ -280,9 +308,20 @@ def _cmd_prebuild(args: argparse.Namespace) -> int:
 
     start = time.monotonic()
     driver_dir = Path(args.driver_dir) if args.driver_dir else driver_library_dir()
-    target = prebuild_sampling_kernels(driver_dir, Path(args.workspace))
+    try:
+        missing = prebuilt_missing()
+    except ImportError as exc:
+        raise ToolchainError(f"FlashInfer is not importable here ({exc}): install flashinfer-python "
+                             "(the CUDA images carry it)") from None
+    present = [name for name in PREBUILT_MODULES if name not in missing]
+    if present:
+        print(f"qwen38: FlashInfer {', '.join(present)} already prebuilt")
+    if not missing:
+        return 0
+    built = prebuild_flashinfer_modules(driver_dir, Path(args.workspace), missing)
     archs = os.environ.get("FLASHINFER_CUDA_ARCH_LIST", "the visible GPUs")
-    print(f"qwen38: FlashInfer sampling kernels for {archs} built in {time.monotonic() - start:.0f} s: {target}")
+    print(f"qwen38: FlashInfer {', '.join(built)} modules for {archs} built in {time.monotonic() - start:.0f} s: "
+          + ", ".join(str(path) for path in built.values()))
     return 0
 
 
@@ -307,7 +346,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Lay out the pip CUDA wheels (site-packages/nvidia/cu13) as a CUDA toolkit at "
         "CUDA_HOME; check that a FlashInfer JIT build finds nvcc, the headers, cudart, C and C++ "
         "compilers, Python's headers and ninja where it looks for them; or build FlashInfer's "
-        "sampling kernels ahead of time (the images do all three when they are built).",
+        "sampling and top-k modules ahead of time (the images do all three when they are built).",
     )
     actions = parser.add_subparsers(dest="toolchain_action", metavar="ACTION", required=True)
     link = actions.add_parser("link", help="write the toolkit of symlinks at --cuda-home (image build)")
@@ -316,7 +355,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     link.add_argument("--driver-dir", help="where the driver's libcuda.so.1 is mounted (default: /usr/lib/<multiarch>)")
     link.set_defaults(func=_cmd_link)
     prebuild = actions.add_parser(
-        "prebuild", help="build FlashInfer's sampling kernels into its AOT directory (image build)")
+        "prebuild", help="build the FlashInfer modules an engine loads at start (sampling, top-k) into its "
+        "AOT directory, those not there yet (image build)")
     prebuild.add_argument("--workspace", default="/tmp/qwen38-flashinfer-prebuild",
                           help="scratch directory for the build (removed afterwards)")
     prebuild.add_argument("--driver-dir", help="where libcuda.so.1 is looked for (default: /usr/lib/<multiarch>)")

@@ -147,14 +147,16 @@ class Footprint:
     weights: int  # vLLM's "Model loading took" (target + drafter)
     drafter: int  # the drafter's stored bytes (part of `weights`)
     kv_pool: int  # kv_cache_memory_bytes (attention pages + GDN state pages)
-    gdn_state: int  # of the pool: max_num_seqs slots x blocks of state
-    cuda_graphs: int  # "Graph capturing finished ... took X GiB"
+    gdn_state: int  # of the pool: the state of every slot the pool keeps resident
+    # "Graph capturing finished ... took X GiB": vLLM's difference of the device's free memory,
+    # None where another process allocated or freed memory meanwhile (then in the residual).
+    cuda_graphs: int | None
 
     @property
     def residual(self) -> int:
         """Workspaces, activations at max_num_batched_tokens, CUDA context, allocator slack:
         what the peak holds beyond the parts vLLM names."""
-        return self.peak_process - self.weights - self.kv_pool - self.cuda_graphs
+        return self.peak_process - self.weights - self.kv_pool - (self.cuda_graphs or 0)
 
     def to_dict(self) -> dict[str, Any]:
         parts = {
@@ -162,13 +164,24 @@ class Footprint:
             "kv_pool": self.kv_pool, "of_kv_pool_gdn_state": self.gdn_state, "cuda_graphs": self.cuda_graphs,
             "residual_workspace_activations_context": self.residual,
         }
-        return {k: {"bytes": v, "gib": round(v / GIB, 3)} for k, v in parts.items()}
+        return {k: None if v is None else {"bytes": v, "gib": round(v / GIB, 3)} for k, v in parts.items()}
 
 
-def footprint(log: dict[str, Any], peak_process: int, *, kv_pool: int, drafter: int, gdn_state: int) -> Footprint:
+def footprint(log: dict[str, Any], peak_process: int, *, kv_pool: int, drafter: int, gdn_state: int,
+              graphs_attributable: bool = True) -> Footprint:
     weights = int(sum(log.get("model_loading_all_gib", [log.get("model_loading_gib", 0.0)])) * GIB)
-    graphs = int(log.get("graph_capture_gib", 0.0) * GIB)
+    graphs = int(log.get("graph_capture_gib", 0.0) * GIB) if graphs_attributable else None
     return Footprint(peak_process, weights, drafter, kv_pool, gdn_state, graphs)
+
+
+def neighbours(samples: Samples, own: set[int], began: float, ended: float) -> dict[int, int]:
+    """The other processes holding device memory between ``began`` and ``ended``: pid -> the
+    most it held (what another server, or anything else on the GPU, ran beside this one)."""
+    found: dict[int, int] = {}
+    for when, pid, used in samples.apps:
+        if began <= when <= ended and pid not in own:
+            found[pid] = max(found.get(pid, 0), used)
+    return found
 
 
 def fit_verdict(peak: int | None, budget: int) -> dict[str, Any]:
@@ -278,6 +291,16 @@ def _gib(value: int | None) -> str:
     return "-" if value is None else f"{value / GIB:.2f}"
 
 
+def _alone(row: dict[str, Any]) -> str:
+    """Whether the copy's speed figures had the GPU to themselves."""
+    if "measured_alone" not in row:
+        return "-"
+    if row["measured_alone"]:
+        return "yes"
+    beside = row.get("gpu_neighbours_while_measured") or {}
+    return f"no: {len(beside)} other GPU processes"
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     """The report's tables (docs/performance.md takes them as they are)."""
     lines = [f"Full-scale run: {summary.get('date', '?')}, {summary.get('gpu', '?')}", ""]
@@ -285,8 +308,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     if bw:
         lines += [f"Measured device bandwidth: {bw['gb_s']:.0f} GB/s ({bw['method']}).", ""]
     lines += ["| served | ready s | pool tokens (engine / plan / seed) | peak GiB | cap held | weights | KV pool | "
-              "graphs | residual | C1 step ms (tok/step) | C8 step ms | prefill tok/s 1k / 10k / 64k |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "graphs | residual | C1 step ms (tok/step) | C8 step ms | prefill tok/s 1k / 10k / 64k | measured alone |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in summary.get("profiles", {}).items():
         fp = row.get("footprint") or {}
         decode = row.get("decode") or {}
@@ -303,7 +326,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             f"{row.get('cap_held', '-')} | {_gib(fp.get('weights', {}).get('bytes'))} | "
             f"{_gib(fp.get('kv_pool', {}).get('bytes'))} | {_gib(fp.get('cuda_graphs', {}).get('bytes'))} | "
             f"{_gib(fp.get('residual_workspace_activations_context', {}).get('bytes'))} | {step('c1')} | "
-            f"{step('c8')} | {prefill} |"
+            f"{step('c8')} | {prefill} | {_alone(row)} |"
         )
         if row.get("failed"):
             lines.append(f"| {name}: failed | {row['failed']} |" + " |" * 10)

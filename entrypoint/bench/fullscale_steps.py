@@ -358,16 +358,17 @@ def copy_bandwidth(bytes_per_copy: int, repeats: int, seconds: float) -> float:
     return 2 * bytes_per_copy * repeats / seconds
 
 
-_SAMPLING_BUILT = ("import sys; from flashinfer.jit.sampling import gen_sampling_module as g; "
-                   "sys.exit(0 if g().aot_path.exists() else 3)")
+_PREBUILT = ("import sys; from entrypoint.toolchain import prebuilt_missing; "
+             "sys.exit(3 if prebuilt_missing() else 0)")
 
 
 def step_prebuild(root: Path) -> dict[str, Any]:
-    """FlashInfer's sampling kernels built ahead, as the images build them (`qwen38 toolchain
-    prebuild`): without, the first engine JIT-builds them inside its profiling run (2 minutes
-    of nvcc in the 2026-12-02 run) and the cold start is not timed as a user's image starts.
-    A failed build is recorded, not fatal: the first start then builds them itself."""
-    probe = subprocess.run([sys.executable, "-c", _SAMPLING_BUILT], capture_output=True, text=True, timeout=300)
+    """FlashInfer's sampling and top-k modules built ahead, as the images build them (`qwen38
+    toolchain prebuild`): without, the first engine JIT-builds them inside its profiling run (2
+    minutes of nvcc each in the 2026-12-02 runs) and the cold start is not timed as a user's
+    image starts. A failed build is recorded, not fatal: the first start then builds them itself."""
+    probe = subprocess.run([sys.executable, "-c", _PREBUILT], capture_output=True, text=True, timeout=300,
+                           cwd=Path(__file__).resolve().parents[2])
     if probe.returncode == 0:
         result: dict[str, Any] = {"already_built": True, "done": True}
     elif probe.returncode != 3:
@@ -827,7 +828,7 @@ def step_measure(root: Path, profile: str, sizes: str = "quick") -> dict[str, An
     spec = served.speculative
     # Tokens drafted per verify step: the drafter's, plus lookup's in reproduction mode.
     k = spec.num_speculative_tokens + spec.lookup_tokens(None, None) if spec and spec.enabled else 0
-    result: dict[str, Any] = {"profile": profile, "sizes": sizes, "bench": {}, "decode": {}}
+    result: dict[str, Any] = {"profile": profile, "sizes": sizes, "bench": {}, "decode": {}, "began": time.time()}
     chosen = SERVED[profile].workloads if profile in SERVED else None
     for name, workload in MEASURE_SIZES[sizes].items():
         if chosen is not None and name not in chosen:
@@ -857,6 +858,12 @@ def step_measure(root: Path, profile: str, sizes: str = "quick") -> dict[str, An
         except json.JSONDecodeError:
             result["plan_text"] = plan.stdout[-2000:]
     result.update(footprint_of(root, profile, served, start, planned))
+    # Anything else on the GPU while the workloads ran (another copy, another job: its kernels
+    # share the device with the measured steps) - from the sampler's compute-process lines.
+    beside = figures.neighbours(figures.parse_samples(_samples_text(root, profile)), _descendants(start["pid"]),
+                                result["began"], time.time())
+    result["gpu_neighbours_while_measured"] = {str(pid): used for pid, used in sorted(beside.items())}
+    result["measured_alone"] = not beside
     result["done"] = True
     _write(root, f"{profile}.measure", result)
     if not process_alive(start["pid"]):  # it died under the load (an OOM at 64k, say): the log says why
@@ -872,8 +879,8 @@ def footprint_of(root: Path, profile: str, served, start: dict[str, Any], planne
     log = figures.parse_engine_log(_log_text(root, profile))
     others = overlapping(root, profile)
     samples = figures.parse_samples(_samples_text(root, profile))
-    peak = figures.attributed_peak(samples, _descendants(start["pid"]), baseline=start.get("device_used_before"),
-                                   exclusive=not others)
+    own = _descendants(start["pid"])
+    peak = figures.attributed_peak(samples, own, baseline=start.get("device_used_before"), exclusive=not others)
     drafter = 0
     if served.models.drafter is not None and served.speculative and served.speculative.enabled:
         variant = Path(served.models.drafter.dir).name
@@ -881,16 +888,22 @@ def footprint_of(root: Path, profile: str, served, start: dict[str, Any], planne
             drafter = sum(stored_bytes(variant_tensors(preset("full"), variant)).values())
         except StackError:  # not one of the generated artifacts (a dry run's tiny drafter)
             drafter = 0
-    state = (planned.get("serving") or {}).get("state_bytes_per_request") or 0
-    gdn = state * served.engine.max_num_seqs
+    serving = planned.get("serving") or {}
+    state = serving.get("state_bytes_per_request") or 0
+    # The pool holds the state of the slots it keeps resident, not of every configured slot.
+    gdn = state * min(served.engine.max_num_seqs, serving.get("slots_resident") or served.engine.max_num_seqs)
     budget = SERVED[profile].budget if profile in SERVED else None
+    ready = read_result(root, f"{profile}.ready") or {}
+    ready_at = start["started"] + ready["ready_s"] if ready.get("ready_s") else time.time()
+    starting_beside = figures.neighbours(samples, own, start["started"], ready_at)
     fp = figures.footprint(log, peak["bytes"] or 0, kv_pool=served.engine.kv_cache_memory_bytes or 0,
-                           drafter=drafter, gdn_state=gdn)
+                           drafter=drafter, gdn_state=gdn, graphs_attributable=not starting_beside)
     verdict = figures.fit_verdict(peak["bytes"], budget) if budget else {"cap_held": None}
     if _base_of(profile) in CAPPED:  # an uncapped copy too: by how much it would miss (or fit) a 3090
         verdict["headless_3090"] = figures.fit_verdict(peak["bytes"], HEADLESS_3090_BYTES)
     return {
         "log": log, "peak": peak, "others_alive": others, "samples": len(samples.apps) + len(samples.device),
+        "gpu_neighbours_while_starting": len(starting_beside),
         "footprint": fp.to_dict() if peak["bytes"] else None, "budget_bytes": budget, **verdict,
         "pool": {"engine_tokens": log.get("kv_cache_tokens"), "plan_tokens": planned.get("pool_tokens"),
                  "plan_state_bytes_per_request": state or None, "seed_tokens": SEED_POOL_TOKENS.get(_base_of(profile))},
@@ -967,7 +980,8 @@ def summarize(results: dict[str, dict[str, Any]], served: dict[str, Served] | No
             row["peak"] = failed.get("peak")
         if measure:
             for key in ("pool", "peak", "cap_held", "margin_bytes", "budget_bytes", "headless_3090", "footprint",
-                        "decode", "prefill", "verify", "others_alive"):
+                        "decode", "prefill", "verify", "others_alive", "measured_alone",
+                        "gpu_neighbours_while_measured", "gpu_neighbours_while_starting"):
                 if key in measure:
                     row[key] = measure[key]
             s = served[name]

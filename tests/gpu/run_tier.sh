@@ -31,10 +31,11 @@ print(f"gpu: {props.name}, sm_{props.major}{props.minor}, {props.total_memory / 
       f"vllm {md.version('vllm')}; flashinfer {md.version('flashinfer-python')}; python {platform.python_version()}")
 EOF
 "$PY" -m entrypoint.cli doctor --profile single || true  # a report (no 3090 here), not a gate
-# The images build FlashInfer's sampling kernels when they are built (`qwen38 toolchain
-# prebuild`); a bare CUDA machine builds them here, once, so a profile's first start is timed
-# as it is in an image (without, the first engine JIT-builds them: minutes of nvcc).
-if "$PY" -c 'import sys; from flashinfer.jit.sampling import gen_sampling_module as g; sys.exit(g().aot_path.exists())' 2>/dev/null; then
+# The images build FlashInfer's sampling and top-k modules when they are built (`qwen38
+# toolchain prebuild`); a bare CUDA machine builds those missing here, once, so a profile's
+# first start is timed as it is in an image (without, the first engine JIT-builds them:
+# minutes of nvcc).
+if "$PY" -c 'import flashinfer' 2>/dev/null; then
   "$PY" -m entrypoint.cli toolchain prebuild || echo "gpu-test: the FlashInfer prebuild failed: the first engine start JIT-builds it"
 fi
 if [[ -z "${QWEN38_GPU_REPORT:-}" ]]; then

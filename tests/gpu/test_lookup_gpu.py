@@ -6,8 +6,8 @@ side: lookup off (verify block 8) and LOOKUP=true (verify block 16 = 1 + 7 draft
 lookup). Greedy outputs must be identical (lookup drafts are point masses: lossless), the
 lookup server must verify 15 drafts per step, and on a document the tiny model copies
 (tests/support/chain_copy.py: its lm_head maps each token to a fixed successor) it must
-accept more tokens per verify step, greedy and sampled (temperature 1: the point masses in
-the draft-logits cache). Tokens per step and tok/s go into the tier report
+accept more tokens per verify step, greedy and sampled (SAMPLED_TEMPERATURE: the point masses
+in the draft-logits cache). Tokens per step and tok/s go into the tier report
 (tests/gpu/conftest.py) under `lookup.*`.
 
     source <(tests/gpu/lent_machine.sh env)
@@ -45,6 +45,9 @@ PROMPTS = [
 ]
 # The copied document: 1,200 tokens of the model's own chain, then its first 8 again.
 DOCUMENT, REPEAT, FOLLOW = 1200, 8, 400
+# Sampled, not greedy (vLLM samples above 1e-5), yet sharp enough that the tiny model's sample
+# is its chain token.
+SAMPLED_TEMPERATURE = 0.01
 
 
 def _profiles(directory: Path) -> Path:
@@ -135,17 +138,22 @@ def test_lookup_accepts_more_tokens_per_verify_step_on_a_copied_document(servers
 
 
 def test_sampled_requests_accept_lookup_point_masses_on_a_copied_document(servers):
-    """Temperature 1 with probabilistic drafting: lookup positions are verified against point
-    masses in the draft-logits cache (a lookup token kept with the drafter's probabilities
-    would be accepted at the wrong rate). The tiny model's margins make its sample the chain
-    token almost always, so the copy is accepted in long runs."""
+    """Sampled requests (probabilistic drafting): lookup positions are verified against point
+    masses in the draft-logits cache, on the GPU runner with CUDA graphs. At temperature 1 the
+    tiny random model's distribution is nearly flat (2026-12-02, H200: 1 of 400 sampled tokens
+    followed the copy, lookup on or off), so nothing can be copied; at SAMPLED_TEMPERATURE its
+    sample is the chain token, and the sampled path must accept the copy like greedy does."""
     prompt, expected = _copy_prompt(servers["off"])
-    off = _copy_run(servers["off"], prompt, 1.0)
-    on = _copy_run(servers["on"], prompt, 1.0)
+    off = _copy_run(servers["off"], prompt, SAMPLED_TEMPERATURE)
+    on = _copy_run(servers["on"], prompt, SAMPLED_TEMPERATURE)
     same = {mode: sum(a == b for a, b in zip(run["tokens"], expected)) for mode, run in (("off", off), ("on", on))}
     record("lookup.copy_sampled", {mode: {**{k: v for k, v in run.items() if k != "tokens"},
+                                          "temperature": SAMPLED_TEMPERATURE,
                                           "tokens_equal_to_the_copy": f"{same[mode]}/{FOLLOW}"}
                                    for mode, run in (("off", off), ("on", on))})
-    print(f"copy, T=1: off {off['tokens_per_step']} tokens/step, on {on['tokens_per_step']}", flush=True)
+    print(f"copy, T={SAMPLED_TEMPERATURE}: off {off['tokens_per_step']} tokens/step, on {on['tokens_per_step']}",
+          flush=True)
     assert len(on["tokens"]) == len(off["tokens"]) == FOLLOW
-    assert on["accepted_per_step"] > off["accepted_per_step"] + 4, (off, on)
+    # The premise: sampled without lookup, the model still copies (else no drafter could).
+    assert same["off"] >= 0.9 * FOLLOW, f"only {same['off']}/{FOLLOW} sampled tokens follow the copy: lower the temperature"
+    assert on["accepted_per_step"] >= 8 and on["accepted_per_step"] > off["accepted_per_step"] + 6, (off, on)

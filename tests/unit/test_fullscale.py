@@ -105,6 +105,19 @@ def test_the_footprint_leaves_what_vllm_does_not_name_as_the_residual():
     assert fp.residual == 23 * fs.GIB - fp.weights - 5_583_457_484 - fp.cuda_graphs
     table = fp.to_dict()
     assert table["kv_pool"]["bytes"] == 5_583_457_484 and table["of_weights_drafter"]["bytes"] == 1_190_000_000
+    # Another process allocating while this one captured (2026-12-02: "took -2.38 GiB", "took
+    # 7.45 GiB"): vLLM's figure is not this server's; the graphs stay in the residual.
+    shared = figures.footprint(log, peak_process=23 * fs.GIB, kv_pool=5_583_457_484, drafter=0, gdn_state=10,
+                               graphs_attributable=False)
+    assert shared.cuda_graphs is None and shared.to_dict()["cuda_graphs"] is None
+    assert shared.residual == 23 * fs.GIB - shared.weights - 5_583_457_484
+
+
+def test_the_other_gpu_processes_in_a_window_are_named_with_the_most_each_held():
+    samples = figures.parse_samples("1.0 10 1000\n1.0 20 300\n2.0 20 700\n2.0 30 50\n5.0 40 9000\n2.0 gpu 2000\n")
+    assert figures.neighbours(samples, {10}, 0.5, 2.5) == {20: 700 << 20, 30: 50 << 20}
+    assert figures.neighbours(samples, {10, 20, 30}, 0.5, 2.5) == {}
+    assert figures.neighbours(samples, {10}, 3.0, 6.0) == {40: 9000 << 20}
 
 
 def test_the_peak_is_the_process_trees_sum_at_one_instant():
@@ -247,11 +260,14 @@ def test_the_summary_table_has_a_row_per_served_copy():
                "profiles": {"single-full": {"ready_s": 300.0, "pool": {"engine_tokens": 68605, "plan_tokens": 68605,
                                                                        "seed_tokens": 68605},
                                             "peak": {"bytes": 23 * fs.GIB}, "cap_held": True,
-                                            "decode": {"c1": {"step_ms": 12.5, "tokens_per_step": 1.0}}},
+                                            "decode": {"c1": {"step_ms": 12.5, "tokens_per_step": 1.0}},
+                                            "measured_alone": False,
+                                            "gpu_neighbours_while_measured": {"8826": 1 << 30, "8859": 1 << 30}},
                             "long-full": {"failed": "the server exited before its gate"}}}
     text = figures.summary_markdown(summary)
     assert "4100 GB/s" in text and "| single-full | 300.0 | 68605 / 68605 / 68605 | 23.00 | True |" in text
     assert "12.5 (1.00)" in text and "long-full: failed" in text
+    assert "| no: 2 other GPU processes |" in text
 
 
 def test_depths_that_do_not_fit_the_served_context_are_measured_at_the_deepest_that_does():
