@@ -58,6 +58,10 @@ def test_a_call_that_ends_early_is_resumed_by_the_next_and_the_report_holds_ever
     assert measure["pool"]["engine_tokens"] == measure["pool"]["plan_tokens"] > 0
     assert measure["peak"] == {"bytes": None, "method": "no memory samples (no nvidia-smi on this machine)"}
     assert measure["cap_held"] is None
+    # Nothing lists GPU processes here, so nothing is seen beside it (on the GPU the sampler's
+    # compute-process lines name every other process on the device while it was measured).
+    assert measure["measured_alone"] is True and measure["gpu_neighbours_while_measured"] == {}
+    assert measure["began"] > fs.read_result(root, "cpu-full.start")["started"]
 
     ready = fs.read_result(root, "cpu-full.ready")
     assert ready["ready"] and ready["ready_s"] > 0
