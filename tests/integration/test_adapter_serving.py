@@ -1,18 +1,20 @@
-"""End to end on CPU: `qwen38 adapter build` on the tiny Qwen3.5 hybrid, served by real vLLM.
+"""End to end on CPU: `qwen38 adapter build` on the tiny Qwen3.5 hybrid, run by real vLLM.
 
 The base is `qwen38 tiny`'s target and the directions its generated directions file; the
 CLI's adapter is byte for byte the tiny adapter the `cpu` profile serves.
 
-Three servers, side by side, all bf16 (the CPU GDN kernel requires it):
-1. the base with `--enable-lora` and the adapter registered as `mode-b` (two ids, one process);
+Three engines of the real vLLM 0.28.0 CPU build (offline `LLM`, one after another in one
+child process: tests/support/lora_probe.py), all bf16 (the CPU GDN kernel requires it):
+1. the base with LoRA enabled and the adapter requested as `mode-b` (two identities, one engine);
 2. the same base without LoRA;
 3. the "projected" base: every target weight replaced by W - c r r^T W offline.
 vLLM 0.28.0's CPU platform turns graph compilation off whenever LoRA is enabled
 (`platforms/cpu.py`), after the custom-op choice was made for a compiled graph, so that
-server runs uncompiled with the native (non-custom) ops; servers 2 and 3 are configured
-the same way (`--compilation-config '{"mode": 0, "custom_ops": ["none"]}'`) so the
-comparison isolates the adapter, not the compiler or the kernels.
-Proven: base requests on the LoRA server answer bit for bit as on the server without LoRA;
+engine runs uncompiled with the native (non-custom) ops; engines 2 and 3 are configured the
+same way (`compilation_config={"mode": 0, "custom_ops": ["none"]}`) so the comparison
+isolates the adapter, not the compiler or the kernels. Serving the adapter as a second model
+id over HTTP is proven by the `cpu` profile's end-to-end tests (test_cpu_profile.py).
+Proven: base requests on the LoRA engine answer bit for bit as on the engine without LoRA;
 adapter requests differ from base; and the adapter's log-probabilities match the projected
 model's to bf16 noise, on average ~40 times closer than they are to the base's.
 """
@@ -21,21 +23,18 @@ from __future__ import annotations
 
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from prepare.directions import read_directions
 from prepare.manifest import MANIFEST_NAME
-from tests.conftest import free_port
-from tests.support.lora_probe import MAX_TOKENS, PROMPTS, SEQUENCE
-from tests.support.vllm_server import vllm_server
+from tests.support.lora_probe import PROMPTS
+from tests.support.vllm_env import vllm_child_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -56,31 +55,6 @@ def _project(base: Path, out: Path, directions_path: Path) -> Path:
     return out
 
 
-def _greedy(url: str, model: str, prompt: str) -> list[int]:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
-    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-    reply.raise_for_status()
-    return reply.json()["choices"][0]["token_ids"]
-
-
-def _sequence_logprobs(url: str, model: str) -> list[float]:
-    """log p(token_i | tokens_<i) for every position of SEQUENCE."""
-    body = {"model": model, "prompt": SEQUENCE, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
-    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-    reply.raise_for_status()
-    rows = reply.json()["choices"][0]["prompt_logprobs"][1:]
-    ids = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": SEQUENCE}, timeout=60).json()["tokens"][1:]
-    return [row[str(token)]["logprob"] for row, token in zip(rows, ids, strict=True)]
-
-
-def _observe(url: str, models: list[str]) -> dict[str, dict]:
-    listed = {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
-    assert set(models) <= listed, listed
-    return {
-        m: {"greedy": [_greedy(url, m, p) for p in PROMPTS], "logprobs": _sequence_logprobs(url, m)} for m in models
-    }
-
-
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory, tiny_root) -> dict[str, dict]:
     work = tmp_path_factory.mktemp("adapter-e2e")
@@ -97,32 +71,23 @@ def observed(tmp_path_factory, tiny_root) -> dict[str, dict]:
     tiny_adapter = tiny_root / "tiny" / "adapter" / "adapter_model.safetensors"
     assert (adapter / "adapter_model.safetensors").read_bytes() == tiny_adapter.read_bytes()
     projected = _project(base, work / "projected", directions)
-    cache = work / "vllm-cache"
-    lora_args = [
-        "--enable-lora", "--max-lora-rank", "1", "--max-loras", "1",
-        "--lora-modules", json.dumps({"name": "mode-b", "path": str(adapter), "base_model_name": "base"}),
-    ]  # fmt: skip
-    eager = ["--compilation-config", json.dumps({"mode": 0, "custom_ops": ["none"]})]  # as LoRA gets on CPU
-
-    def observe(run: tuple[str, Path, str, list[str], list[str]]) -> dict[str, dict]:
-        name, model, served, extra, ids = run
-        with vllm_server(model, served, free_port(), work / f"{name}.log", cache, extra) as url:
-            return _observe(url, ids)
-
-    # Three engines side by side: each is mostly Python importing vLLM, one core apiece.
     runs = [
-        ("lora", base, "base", lora_args, ["base", "mode-b"]),
-        ("plain", base, "base", eager, ["base"]),
-        ("projected", projected, "projected", eager, ["projected"]),
+        {"name": "lora", "model": str(base), "lora": str(adapter), "compile": "default"},
+        {"name": "plain", "model": str(base), "lora": None, "compile": "native"},
+        {"name": "projected", "model": str(projected), "lora": None, "compile": "native"},
     ]
-    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-        lora_server, plain, on_projected = pool.map(observe, runs)
-    seen: dict[str, dict] = {
-        "base@lora-server": lora_server["base"], "mode-b": lora_server["mode-b"],
-        "base@plain-server": plain["base"], "projected": on_projected["projected"],
+    (work / "runs.json").write_text(json.dumps(runs))
+    out = work / "observed.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.lora_probe", "--runs", str(work / "runs.json"), str(out)],
+        cwd=REPO, capture_output=True, text=True, env=vllm_child_env(work / "vllm-cache"), timeout=1500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    by_run = json.loads(out.read_text())
+    return {
+        "base@lora-server": by_run["lora"]["base"], "mode-b": by_run["lora"]["mode-b"],
+        "base@plain-server": by_run["plain"]["base"], "projected": by_run["projected"]["base"],
     }  # fmt: skip
-    (work / "observed.json").write_text(json.dumps(seen, indent=1))
-    return seen
 
 
 def _max_abs_diff(a: list[float], b: list[float]) -> float:

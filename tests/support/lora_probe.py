@@ -1,13 +1,22 @@
-"""Load one model in vLLM (offline `LLM`), optionally with a LoRA, and record its outputs.
+"""Load a model in vLLM (offline `LLM`), optionally with a LoRA, and record its outputs.
 
-Run as a child process, one model per process (vLLM does not release a GPU reliably
-within one process):
+Run as a child process, one model per process on a GPU (vLLM does not release a GPU
+reliably within one process):
 
     python -m tests.support.lora_probe MODEL OUT.json [--lora DIR]
 
 Writes {"base": {...}, "mode-b": {...}} with, per identity, the greedy token ids of each
-prompt and the per-position log-probs of a fixed sequence. Same prompts and sequence as
-the CPU end-to-end test (which imports them from here), so results compare across machines.
+prompt and the per-position log-probs of a fixed sequence. On the CPU build several engines
+run one after the other in one process (one import of vLLM for all of them):
+
+    python -m tests.support.lora_probe --runs RUNS.json OUT.json
+
+RUNS.json: a list of {"name", "model", "lora" (or null), "compile"}; OUT.json: {name: probe}.
+``compile`` is "eager" (enforce_eager, the GPU tests' setting), "default" (vLLM's own choice:
+the CPU platform turns graph compilation off when LoRA is enabled, after choosing the native
+ops for a compiled graph) or "native" (uncompiled with the native ops: what a LoRA engine
+gets on CPU, for engines without LoRA compared against it). Same prompts and sequence as the
+CPU end-to-end test (which imports them from here), so results compare across machines.
 """
 
 from __future__ import annotations
@@ -33,7 +42,14 @@ SEQUENCE = (
 MAX_TOKENS = 8
 
 
-def probe(model: str, lora: str | None) -> dict[str, dict]:
+COMPILE = {
+    "eager": {"enforce_eager": True},
+    "default": {},
+    "native": {"compilation_config": {"mode": 0, "custom_ops": ["none"]}},
+}
+
+
+def probe(model: str, lora: str | None, compile: str = "eager") -> dict[str, dict]:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -45,8 +61,8 @@ def probe(model: str, lora: str | None) -> dict[str, dict]:
         "max_num_seqs": 4,
         "kv_cache_memory_bytes": 256 << 20,
         "mamba_ssm_cache_dtype": "float32",
-        "enforce_eager": True,
         "seed": 0,
+        **COMPILE[compile],
     }
     kwargs.update(gpu_share())
     if torch.cuda.is_available():
@@ -67,16 +83,29 @@ def probe(model: str, lora: str | None) -> dict[str, dict]:
         scored = llm.generate([SEQUENCE], scoring, lora_request=request, use_tqdm=False)[0]
         logprobs = [row[token].logprob for row, token in zip(scored.prompt_logprobs[1:], ids[1:], strict=True)]
         seen[name] = {"greedy": [list(o.outputs[0].token_ids) for o in outs], "logprobs": logprobs}
+    del llm
     return seen
 
 
 def main() -> None:
+    import gc
+
     parser = argparse.ArgumentParser()
-    parser.add_argument("model")
+    parser.add_argument("model", nargs="?", help="the model (without --runs)")
     parser.add_argument("out", type=Path)
     parser.add_argument("--lora")
+    parser.add_argument("--runs", type=Path, help="JSON list of runs, one engine after another (CPU build)")
     args = parser.parse_args()
-    args.out.write_text(json.dumps(probe(args.model, args.lora)))
+    if args.runs is None:
+        if args.model is None:
+            parser.error("name the model, or give --runs")
+        args.out.write_text(json.dumps(probe(args.model, args.lora)))
+        return
+    seen = {}
+    for run in json.loads(args.runs.read_text()):
+        seen[run["name"]] = probe(run["model"], run.get("lora"), run["compile"])
+        gc.collect()
+    args.out.write_text(json.dumps(seen))
 
 
 if __name__ == "__main__":
