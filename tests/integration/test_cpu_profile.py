@@ -104,3 +104,25 @@ def test_a_one_token_prompt_does_not_depend_on_earlier_requests(cpu_server):
         client.post_json("/v1/completions", {**body, "prompt": "The cache server keeps the queue busy"})
         again = client.post_json("/v1/completions", {**body, "prompt": "x"})["choices"][0]["text"]
     assert again == first
+
+
+def test_a_seeded_request_with_a_chunked_prompt_is_answered_the_same_every_time(cpu_server):
+    """Patch 0075: a seeded request whose prompt takes more than one prefill chunk (vLLM's CPU
+    API-server default is 2,048 tokens a step) killed the stock CPU engine ("CPU Generator does
+    not use offset" when the partial prefill's sample was discarded). Now it is answered, the
+    same seed gives the same tokens (again with the prompt cached, so chunked differently) and
+    another seed other tokens, and the server keeps serving."""
+    prompt = " ".join(f"section {i} of the cache log" for i in range(600))
+    body = {"model": "qwen3.8-27b", "prompt": prompt, "max_tokens": 24, "temperature": 1.0,
+            "ignore_eos": True, "return_token_ids": True}
+    with StackClient(cpu_server.base_url, cpu_server.api_key) as client:
+        assert len(client.post_json("/tokenize", {"model": "qwen3.8-27b", "prompt": prompt})["tokens"]) > 2 * 2048
+
+        def sample(seed: int) -> list[int]:
+            return client.post_json("/v1/completions", {**body, "seed": seed})["choices"][0]["token_ids"]
+
+        first, again, other = sample(1234), sample(1234), sample(4321)
+        assert client.get("/health").status_code == 200
+        after = client.post_json("/v1/completions", {"model": "qwen3.8-27b", "prompt": "x", "max_tokens": 4})
+    assert len(first) == 24 and first == again and other != first
+    assert after["choices"][0]["text"] is not None
