@@ -269,7 +269,8 @@ def prebuild_flashinfer_modules(driver_dir: Path, workspace: Path, names: list[s
         )
         if built.returncode != 0:
             raise ToolchainError(f"cannot make a placeholder {placeholder}: {built.stderr.strip()[-300:]}")
-    # FlashInfer reads its workspace from the environment when its JIT modules are imported.
+    # FlashInfer reads its workspace from the environment when its JIT modules are first
+    # imported (a caller that looked at `prebuilt_missing` first sets it before that).
     os.environ["FLASHINFER_WORKSPACE_BASE"] = str(workspace)
     installed = {}
     try:
@@ -308,6 +309,9 @@ def _cmd_prebuild(args: argparse.Namespace) -> int:
 
     start = time.monotonic()
     driver_dir = Path(args.driver_dir) if args.driver_dir else driver_library_dir()
+    # Before FlashInfer's JIT modules are first imported (by the look below): they read their
+    # workspace once, and the builds' scratch must go there, not into the home directory.
+    os.environ["FLASHINFER_WORKSPACE_BASE"] = str(args.workspace)
     try:
         missing = prebuilt_missing()
     except ImportError as exc:
