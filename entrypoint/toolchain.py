@@ -256,6 +256,10 @@ def prebuild_flashinfer_modules(driver_dir: Path, workspace: Path, names: list[s
     the container toolkit mounts the real one, for these builds only (whatever a module takes
     from the driver resolves against the real library when it is loaded).
     """
+    # FlashInfer reads its workspace from the environment when its JIT modules are first
+    # imported (the look at what is missing imports them; a caller that looked before sets it
+    # before that too).
+    os.environ["FLASHINFER_WORKSPACE_BASE"] = str(workspace)
     names = prebuilt_missing() if names is None else names
     if not names:
         return {}
@@ -269,9 +273,6 @@ def prebuild_flashinfer_modules(driver_dir: Path, workspace: Path, names: list[s
         )
         if built.returncode != 0:
             raise ToolchainError(f"cannot make a placeholder {placeholder}: {built.stderr.strip()[-300:]}")
-    # FlashInfer reads its workspace from the environment when its JIT modules are first
-    # imported (a caller that looked at `prebuilt_missing` first sets it before that).
-    os.environ["FLASHINFER_WORKSPACE_BASE"] = str(workspace)
     installed = {}
     try:
         for name in names:
