@@ -235,6 +235,10 @@ def parallel_env(resolved: ResolvedEngine) -> dict[str, str]:
     return env
 
 
+# The CUDA driver's largest JIT cache (CUDA_CACHE_MAXSIZE; the default is 256 MiB).
+CUDA_JIT_CACHE_BYTES = 4 << 30
+
+
 def vllm_cache_root(cache_dir: Path, resolved: ResolvedEngine) -> Path:
     """The engine's VLLM_CACHE_ROOT: compile caches (and model info) of this shape only."""
     return cache_dir.absolute() / "vllm" / compile_cache_key(resolved)
@@ -246,6 +250,12 @@ def _engine_env(resolved: ResolvedEngine, settings: Settings, api_key: SecretStr
         "VLLM_CACHE_ROOT": str(vllm_cache_root(settings.cache_dir, resolved)),
         "TRITON_CACHE_DIR": str(cache / "triton"),
         "FLASHINFER_WORKSPACE_BASE": str(cache / "flashinfer"),
+        # The driver's JIT of kernels shipped only as PTX for an older GPU (vLLM 0.28.0's
+        # FlashAttention 2 has sm_80 code only: on sm_90 and sm_12x every kernel is compiled at
+        # its first launch, minutes of a first start), kept with the other caches and at the
+        # driver's largest size instead of ~/.nv's 256 MiB, where a full model's set is evicted.
+        "CUDA_CACHE_PATH": str(cache / "cuda"),
+        "CUDA_CACHE_MAXSIZE": str(CUDA_JIT_CACHE_BYTES),
         "VLLM_LOGGING_LEVEL": settings.log_level.upper(),
         # Serving never downloads: every file was fetched, pinned and verified by `prepare`.
         "HF_HUB_OFFLINE": "1",

@@ -62,6 +62,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from entrypoint import ready
     from entrypoint.supervise import Supervisor, begin_start, check_interpreter
 
+    began = time.monotonic()
     profile, settings, key = load(args)
     resolved = resolve_on_this_host(profile, settings)
     check_allocator(resolved, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
@@ -84,7 +85,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(f"qwen38: serving profile {profile.name} as worker host {resolved.parallel.node_rank} of "
                   f"{resolved.parallel.nodes} (no API here; head {gate.head})", flush=True)
         else:
-            gate = ready.Watcher(profile, settings, key, identity=identity, instance=start.instance)
+            gate = ready.Watcher(profile, settings, key, identity=identity, instance=start.instance, began=began)
             print(f"qwen38: serving profile {profile.name} ({', '.join(profile.model_ids)}) on {gate.base_url}",
                   flush=True)
     except BaseException:

@@ -19,7 +19,8 @@
 # Lanes: QWEN38_TIER_LANE=NAME runs a second tier beside the first (its own report and log in
 # /tmp/qwen38-tier-NAME), on the same GPU (16 cores, 139 GiB: the tiny engines use a fraction);
 # QWEN38_TIER_AFTER=REGEX holds it back until the first lane's log matches (at most 20 min), so
-# the first lane's cold start is timed alone.
+# the first lane's cold start is timed alone; QWEN38_TIER_CACHE=DIR gives it another lane's
+# CACHE_DIR (e.g. /tmp/qwen38-tier/cache: the JIT and compile caches the first lane filled).
 set -euo pipefail
 STAGE=/tmp/qwen38-payload
 SITE=/tmp/qwen38-site
@@ -79,7 +80,7 @@ case "${1:-}" in
   tier-run)
     shift
     export PYTHONPATH="$PWD:$SITE:$TOOLS" PYTHONUNBUFFERED=1 QWEN38_GPU_REPORT="$TIER/report.json" \
-      QWEN38_GPU_CACHE_DIR="$TIER/cache" PYTHON=python3
+      QWEN38_GPU_CACHE_DIR="${QWEN38_TIER_CACHE:-$TIER/cache}" PYTHON=python3
     if [ -n "${QWEN38_TIER_AFTER:-}" ]; then
       held=$(( $(date +%s) + 1200 ))
       until grep -Eq "$QWEN38_TIER_AFTER" "$TIER_ROOT/tier.log" 2>/dev/null || [ "$(date +%s)" -ge "$held" ]; do sleep 5; done

@@ -5,6 +5,7 @@ both validators, exactly as a user runs them against any deployment."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -28,6 +29,9 @@ def test_serve_passes_the_readiness_gate(cpu_server):
     assert status["adapter_canary"] != status["canary"]
     log = cpu_server.log.read_text()
     assert "qwen38: ready in" in log and f"API key: file {cpu_server.env['API_KEY_FILE']}" in log
+    # The gate's figure (from the engine's release) and the whole start (verify and plan too).
+    gate, whole = map(float, re.search(r"ready in ([\d.]+) s \(([\d.]+) s since serve began\)", log).groups())
+    assert 0 < gate <= whole
     assert cpu_server.api_key not in log
 
 

@@ -47,6 +47,10 @@ def test_every_profile_renders_one_config_file_invocation(name):
     assert inv.config["enable-prompt-tokens-details"] is True
     assert inv.env["HF_HUB_OFFLINE"] == "1"
     assert inv.env["VLLM_CACHE_ROOT"] == f"/cache/vllm/{inv.cache_key}"
+    # Every compiler's cache lives under CACHE_DIR (the images' volume): only a first start compiles.
+    assert {k: inv.env[k] for k in ("TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "CUDA_CACHE_PATH")} == {
+        "TRITON_CACHE_DIR": "/cache/triton", "FLASHINFER_WORKSPACE_BASE": "/cache/flashinfer", "CUDA_CACHE_PATH": "/cache/cuda"}
+    assert int(inv.env["CUDA_CACHE_MAXSIZE"]) == 4 << 30
     if profile.platform == "cuda":
         # the first GPUs of this host the profile splits its layers over, numbered as nvidia-smi does
         assert inv.env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, range(profile.parallel.gpus_per_node)))
