@@ -5,7 +5,8 @@
 # tree (python3's lzma unpacks it there; no xz binary needed), cut into 59 MiB parts, so that a
 # part plus this checkout stays under the 64 MiB a call carries. Measured 2026-12-01: the 281 MB
 # payload installs to an 823 MB site that packs to 192 MiB (3 x 59 MiB + 15 MiB: 4 calls, the last
-# one with room for .whl), in 10 min 22 s on a loaded 2-vCPU machine; unpacking it took 24 s here.
+# one with room for .whl), in 10 min 22 s on a loaded 2-vCPU machine (4 min 0 s with FA3 on an idle
+# Zen 5 one, 2026-12-02: 203 MiB); unpacking it took 24 s here.
 #   tests/gpu/pack_site.sh PAYLOAD_DIR OUTDIR [VLLM_WHEEL]
 # VLLM_WHEEL (the full vllm-0.28.0 wheel; `pip download` it as gpu-payload.sh does) puts back the
 # FlashAttention 3 library the slim payload leaves out (153 MB, sm_90 code, 11 MB in xz): without
