@@ -30,7 +30,9 @@ def test_serve_passes_the_readiness_gate(cpu_server):
     log = cpu_server.log.read_text()
     assert "qwen38: ready in" in log and f"API key: file {cpu_server.env['API_KEY_FILE']}" in log
     # The gate's figure (from the engine's release) and the whole start (verify and plan too).
-    gate, whole = map(float, re.search(r"ready in ([\d.]+) s \(([\d.]+) s since serve began\)", log).groups())
+    found = re.search(r"ready in ([\d.]+) s \(([\d.]+) s since serve began\)", log)
+    assert found, log[-2000:]
+    gate, whole = map(float, found.groups())
     assert 0 < gate <= whole
     assert cpu_server.api_key not in log
 
