@@ -15,6 +15,7 @@ import pytest
 
 from tests.support.plans import seed_plans  # noqa: F401
 from prepare.generate import int8_embed_pair
+from tests.gpu.conftest import record
 from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
 
 pytestmark = pytest.mark.gpu
@@ -56,6 +57,9 @@ out = llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(ma
 worker = llm.collective_rpc(lambda self: {
     "estimate": int(getattr(self, "cudagraph_memory_estimate", 0)),
     "available": int(self.available_kv_cache_memory_bytes),
+    "requested": int(self.requested_memory),
+    "consumed": int(self.total_consumed),
+    "peak_activation": int(self.peak_activation_memory),
     "runner": type(self.model_runner).__module__,
 })[0]
 print(json.dumps({**worker, "generated": len(out[0].outputs[0].token_ids)}))
@@ -106,21 +110,29 @@ def gpu_to_itself() -> None:
 
 
 def test_v2_runner_reserves_cudagraph_memory(vllm_views, tiny_dense, tmp_path):
+    """0040 alone: the patched tree twice, its own estimate against a pinned 1 GiB, so the
+    other patches and the compile cache's state are the same on both sides (the stock tree
+    beside the patched one differed by 92 MB in the pool for a 146 KB estimate on the
+    2026-12-02 fourth lease: noise the stock comparison cannot separate)."""
     gpu_to_itself()
     script = engine_script(tmp_path, V2_BODY)
     env = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
-    patched, patched_logs = run_engine(vllm_views, "patched", script, tiny_dense, **env)
-    stock, stock_logs = run_engine(vllm_views, "stock", script, tiny_dense, **env)
-    assert patched and stock, (patched_logs[-4000:], stock_logs[-4000:])
-    assert patched["runner"].startswith("vllm.v1.worker.gpu.") and patched["generated"] == 8
-    assert stock["estimate"] == 0
-    assert patched["estimate"] > 0
-    # The pool gives up what the graphs will hold (profiling noise aside).
-    assert stock["available"] - patched["available"] == pytest.approx(
-        patched["estimate"], rel=0.2, abs=64 << 20
+    own, own_logs = run_engine(vllm_views, "patched", script, tiny_dense, **env)
+    pinned, pinned_logs = run_engine(
+        vllm_views, "patched", script, tiny_dense, VLLM_V2_CUDAGRAPH_MEMORY_BYTES=str(1 << 30), **env
     )
-    captured = re.findall(r"Graph capturing finished in \d+ secs, took ([\d.]+) GiB", patched_logs)
-    print(f"CUDA graphs: reserved {patched['estimate'] / (1 << 30):.3f} GiB, captured {captured} GiB")
+    assert own and pinned, (own_logs[-4000:], pinned_logs[-4000:])
+    actual = re.findall(r"CUDA graph pool memory: ([\d.]+) GiB \(actual\)", own_logs)
+    print(f"CUDA graphs: estimated {own['estimate'] / (1 << 30):.4f} GiB, captured {actual} GiB; "
+          f"own {own}; pinned {pinned}")
+    record("v2_cudagraph_reserve", {"own": own, "pinned_1gib": pinned, "captured_gib": actual})
+    assert own["runner"].startswith("vllm.v1.worker.gpu.") and own["generated"] == 8
+    assert own["estimate"] > 0 and "Reserving" in own_logs
+    assert pinned["estimate"] == 1 << 30
+    # What is reserved comes off the pool, byte for byte apart from profiling noise.
+    assert own["available"] - pinned["available"] == pytest.approx(
+        (1 << 30) - own["estimate"], abs=64 << 20
+    )
 
 
 # ---- 0010 on the GPU: int8 embedding through the Triton gather ----------------------------
