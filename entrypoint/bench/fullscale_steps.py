@@ -93,6 +93,9 @@ SERVED: dict[str, Served] = {
     # steps at depth are what differ).
     "long-nosplit-full": Served("long", HEADLESS_3090_BYTES, env=(("QWEN38_SPLIT_KV", "0"),),
                                 workloads=("c1", "verify")),
+    # Both: the 16-token block's verify step without the kernel (issue 16's split on / off).
+    "long-lookup-nosplit-full": Served("long", HEADLESS_3090_BYTES, lookup=True, max_model_len=LOOKUP_LONG_CONTEXT,
+                                       env=(("QWEN38_SPLIT_KV", "0"),), workloads=("c1", "verify")),
     "long-nospec-full": Served("long", HEADLESS_3090_BYTES, speculation=False),
     "single-warm-full": Served("single", HEADLESS_3090_BYTES, measure=False),
 }

@@ -368,3 +368,9 @@ def test_the_flashinfer_prebuild_step_is_recorded_and_never_stops_the_run(tmp_pa
     result = fs.step_prebuild(tmp_path)
     assert result["done"] is True and "FlashInfer is not importable" in result["skipped"]
     assert fs.read_result(tmp_path, "prebuild") == result
+
+
+def test_the_lookup_split_kv_reference_differs_from_the_lookup_copy_only_by_the_patch_switch():
+    profiles = fs.profile_set(150_000_000_000)
+    lookup, nosplit = profiles["long-lookup-full"], profiles["long-lookup-nosplit-full"]
+    assert nosplit["env"].pop("QWEN38_SPLIT_KV") == "0" and nosplit == lookup
