@@ -40,6 +40,7 @@ from entrypoint.bench.fullscale_steps import (
     SERVED,
     Served,
     bytes_by_recipe,
+    generated_variants,
     generation_projection,
     measure_rates,
     sample_memory,
@@ -85,7 +86,9 @@ def _cmd(args: argparse.Namespace) -> int:
     elif step == "prebuild":
         result = step_prebuild(root)
     elif step == "generate":
-        result = step_generate(root, args.size, args.workers, args.disk_bytes)
+        served = served_subset(args.served)
+        result = step_generate(root, args.size, args.workers, args.disk_bytes,
+                               generated_variants(args.size, served) if served else None)
     elif step == "requantize":
         result = step_requantize(root)
     elif step == "adapter":
@@ -146,7 +149,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="measure / run: workload sizes (quick fits a short lease; full: the articles')")
     parser.add_argument("--budget", type=float, default=540.0, help="run: seconds this call may take")
     parser.add_argument("--served", default=None,
-                        help=f"run: a comma list of the served copies to run (default all, in order: {', '.join(SERVED)})")
+                        help=f"run, generate: a comma list of the served copies to run / generate for (default all, in order: {', '.join(SERVED)})")
     parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="report / run: the JSON to write (docs/gpu/DATE-GPU-fullscale.json)")
     parser.add_argument("--cores", type=int, default=16, help="rates: cores of the machine projected to (default 16)")

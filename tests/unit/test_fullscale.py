@@ -374,3 +374,17 @@ def test_the_lookup_split_kv_reference_differs_from_the_lookup_copy_only_by_the_
     profiles = fs.profile_set(150_000_000_000)
     lookup, nosplit = profiles["long-lookup-full"], profiles["long-lookup-nosplit-full"]
     assert nosplit["env"].pop("QWEN38_SPLIT_KV") == "0" and nosplit == lookup
+
+
+def test_the_generate_step_alone_writes_what_its_served_copies_need(tmp_path, capsys):
+    """`bench fullscale generate --served ...` (run beside other work on the lent GPU) writes
+    the 3090's set when no `spark-lora` copy is named, as `run` would."""
+    from entrypoint.cli import main
+
+    root = tmp_path / "run"
+    assert main(["bench", "fullscale", "generate", "--root", str(root), "--size", "small", "--workers", "1",
+                 "--disk-bytes", str(8 << 20), "--served", "long-lookup-full,long-nosplit-full"]) == 0
+    capsys.readouterr()
+    written = fs.read_result(root, "generate")
+    assert written["only"] == list(fs.RTX3090_VARIANTS) and written["done"] is True
+    assert not (root / "models" / "artifacts" / "qwen3.8-27b-nvfp4").exists()
