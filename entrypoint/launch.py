@@ -28,6 +28,7 @@ import yaml
 from pydantic import SecretStr
 
 from entrypoint.asgi import API_KEY_ENV, MIDDLEWARE_PATH
+from entrypoint.compile_cache import compile_cache_key, vllm_cache_root
 from entrypoint.drain import DRAIN_ENV, ENGINE_GRACE_S
 from entrypoint.errors import SettingsError
 from entrypoint.profiles import Profile
@@ -74,43 +75,6 @@ def status_path(settings: Settings, profile_name: str) -> Path:
     return run_dir(settings) / f"{profile_name}.status.json"
 
 
-# Fields of the resolved engine that cannot change a compiled graph; every other field
-# keys the compile cache (as vLLM's own compute_hash ignores an explicit list).
-COMPILE_IGNORED = {
-    "served_model_name": "the id clients use",
-    "tool_call_parser": "API layer",
-    "reasoning_parser": "API layer",
-    "structured_outputs_config": "API layer",
-    "default_chat_template_kwargs": "API layer",
-    "seed": "sampling (vLLM's ModelConfig hash ignores it too)",
-    "kv_cache_memory_bytes": "the pool's size (vLLM's CacheConfig hash ignores it too)",
-    "gpu_memory_utilization": "the pool's size (vLLM's CacheConfig hash ignores it too)",
-    "lora.adapter_id": "which adapter, not its shape",
-    "lora.path": "which adapter, not its shape",
-    "lora.base_model_name": "which adapter, not its shape",
-    "shutdown_timeout": "how long a stop waits, not what runs",
-    "overridden": "where a value came from, not the value",
-    "devices": "which GPUs, not what runs on them",
-    "parallel.link": "what it decides (custom_all_reduce, nccl_p2p) is keyed instead",
-    "parallel.link_origin": "where a value came from, not the value",
-    "parallel.node_rank": "each host keeps its own cache (vLLM keys its artifacts by rank inside)",
-    "parallel.head_address": "where the hosts are, not what they compile",
-    "parallel.head_port": "where the hosts are, not what they compile",
-    "parallel.node_address": "where the hosts are, not what they compile",
-    "parallel.network_interface": "where the hosts are, not what they compile",
-    "parallel.rdma_devices": "where the hosts are, not what they compile",
-    "parallel.nccl_log_level": "NCCL's log level",
-}
-
-
-def compile_cache_key(resolved: ResolvedEngine) -> str:
-    """A cache directory name keyed by everything that may shape the compiled graphs.
-
-    vLLM 0.28.0's own compile-cache hash misses the speculative depth (upstream #53292);
-    keying the whole cache root by the resolved engine (minus `COMPILE_IGNORED`) keeps two
-    shapes from ever sharing an artifact, patched or not.
-    """
-    return f"{resolved.profile}-{resolved.digest(COMPILE_IGNORED)[:12]}"
 
 
 def _engine_config(resolved: ResolvedEngine, settings: Settings) -> dict[str, Any]:
@@ -237,11 +201,6 @@ def parallel_env(resolved: ResolvedEngine) -> dict[str, str]:
 
 # The CUDA driver's largest JIT cache (CUDA_CACHE_MAXSIZE; the default is 256 MiB).
 CUDA_JIT_CACHE_BYTES = 4 << 30
-
-
-def vllm_cache_root(cache_dir: Path, resolved: ResolvedEngine) -> Path:
-    """The engine's VLLM_CACHE_ROOT: compile caches (and model info) of this shape only."""
-    return cache_dir.absolute() / "vllm" / compile_cache_key(resolved)
 
 
 def _engine_env(resolved: ResolvedEngine, settings: Settings, api_key: SecretStr | None) -> dict[str, str]:

@@ -36,7 +36,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from entrypoint.errors import PlanError, StackError
-from entrypoint.launch import vllm_cache_root
+from entrypoint.compile_cache import vllm_cache_root
 from entrypoint.model_configs import ModelConfigs, read_model_configs, shape_only_copy
 from entrypoint.profiles import Profile
 from entrypoint.resolve import ResolvedEngine, check_model_limits, resolve

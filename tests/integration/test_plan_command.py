@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from entrypoint.launch import vllm_cache_root
+from entrypoint.compile_cache import vllm_cache_root
 from entrypoint.profiles import PROFILES_DIR, load_profile
 from entrypoint.resolve import resolve
 from tests.conftest import clean_env, run_cli

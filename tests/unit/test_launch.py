@@ -12,7 +12,8 @@ from pydantic import SecretStr, ValidationError
 from entrypoint.asgi import API_KEY_ENV, MIDDLEWARE_PATH
 from entrypoint.drain import DRAIN_ENV, ENGINE_GRACE_S
 from entrypoint.errors import SettingsError
-from entrypoint.launch import ENGINE_MODULE, compile_cache_key, render_invocation
+from entrypoint.compile_cache import compile_cache_key
+from entrypoint.launch import ENGINE_MODULE, render_invocation
 from entrypoint.profiles import load_profile, profile_names
 from entrypoint.resolve import resolve
 from entrypoint.settings import Settings

@@ -11,7 +11,8 @@ import pytest
 from pydantic import SecretStr
 
 from entrypoint.errors import SettingsError
-from entrypoint.launch import COMPILE_IGNORED, compile_cache_key, render_invocation
+from entrypoint.compile_cache import COMPILE_IGNORED, compile_cache_key
+from entrypoint.launch import render_invocation
 from entrypoint.model_configs import read_model_configs
 from entrypoint.plan import PLAN_IGNORED, build_request, plan_profile
 from entrypoint.profiles import load_profile, profile_names

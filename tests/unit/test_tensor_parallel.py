@@ -11,7 +11,8 @@ import pytest
 from pydantic import SecretStr
 
 from entrypoint.errors import SettingsError
-from entrypoint.launch import ENGINE_MODULE, compile_cache_key, render_invocation
+from entrypoint.compile_cache import compile_cache_key
+from entrypoint.launch import ENGINE_MODULE, render_invocation
 from entrypoint.profiles import load_profile
 from entrypoint.resolve import check_allocator, resolve
 from entrypoint.settings import Settings
