@@ -75,8 +75,6 @@ def status_path(settings: Settings, profile_name: str) -> Path:
     return run_dir(settings) / f"{profile_name}.status.json"
 
 
-
-
 def _engine_config(resolved: ResolvedEngine, settings: Settings) -> dict[str, Any]:
     config: dict[str, Any] = {
         "model": resolved.target_dir,
