@@ -149,7 +149,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="measure / run: workload sizes (quick fits a short lease; full: the articles')")
     parser.add_argument("--budget", type=float, default=540.0, help="run: seconds this call may take")
     parser.add_argument("--served", default=None,
-                        help=f"run, generate: a comma list of the served copies to run / generate for (default all, in order: {', '.join(SERVED)})")
+                        help="run, generate: a comma list of the served copies to run / generate for "
+                        f"(default all, in order: {', '.join(SERVED)})")
     parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="report / run: the JSON to write (docs/gpu/DATE-GPU-fullscale.json)")
     parser.add_argument("--cores", type=int, default=16, help="rates: cores of the machine projected to (default 16)")
