@@ -86,9 +86,8 @@ def _cmd(args: argparse.Namespace) -> int:
     elif step == "prebuild":
         result = step_prebuild(root)
     elif step == "generate":
-        served = served_subset(args.served)
         result = step_generate(root, args.size, args.workers, args.disk_bytes,
-                               generated_variants(args.size, served) if served else None)
+                               generated_variants(args.size, served_subset(args.served)))
     elif step == "requantize":
         result = step_requantize(root)
     elif step == "adapter":
