@@ -111,12 +111,12 @@ def gpu_to_itself() -> None:
 
 def test_v2_runner_reserves_cudagraph_memory(vllm_views, tiny_dense, tmp_path):
     """0040 alone: the patched tree, its own estimate against the figure pinned to 1 GiB, so
-    the other patches are the same on both sides. Twice the first of two engine runs got a pool
-    92 MB smaller than the second, whatever the trees (the 2026-12-02 fourth lease: patched
-    first, stock second, for a 146 KB estimate; the 2026-12-03 lease: the patched tree both
-    times): the one that fills the compile caches, we take it, allocating inside vLLM's
-    profiling window. So a first, unmeasured run fills them. INFO logs: the "Reserving" line
-    and vLLM's graph-pool figure."""
+    the other patches are the same on both sides (the stock tree only shows it reserves 0).
+    Twice the first of two engine runs got a pool 92 MB smaller than the second, whatever the
+    trees (the 2026-12-02 fourth lease: patched first, stock second, for a 146 KB estimate; the
+    2026-12-03 lease: the patched tree both times): the one that fills the compile caches, we
+    take it, allocating inside vLLM's profiling window. So a first, unmeasured run fills them.
+    INFO logs: the "Reserving" line and vLLM's graph-pool figure."""
     gpu_to_itself()
     script = engine_script(tmp_path, V2_BODY)
     env = {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_LOGGING_LEVEL": "INFO"}
@@ -126,11 +126,15 @@ def test_v2_runner_reserves_cudagraph_memory(vllm_views, tiny_dense, tmp_path):
     pinned, pinned_logs = run_engine(
         vllm_views, "patched", script, tiny_dense, VLLM_V2_CUDAGRAPH_MEMORY_BYTES=str(1 << 30), **env
     )
-    assert own and pinned, (own_logs[-4000:], pinned_logs[-4000:])
+    # The stock tree, last: only its estimate is compared (its pool carries the noise above).
+    stock, stock_logs = run_engine(vllm_views, "stock", script, tiny_dense, **env)
+    assert own and pinned and stock, (own_logs[-4000:], pinned_logs[-4000:], stock_logs[-4000:])
+    assert stock["estimate"] == 0  # what 0040 is for: stock V2 reserves nothing for its graphs
     actual = re.findall(r"CUDA graph pool memory: ([\d.]+) GiB \(actual\)", own_logs)
     print(f"CUDA graphs: estimated {own['estimate'] / (1 << 30):.4f} GiB, captured {actual} GiB; "
           f"own {own}; pinned {pinned}")
-    record("v2_cudagraph_reserve", {"own": own, "pinned_1gib": pinned, "captured_gib": actual})
+    record("v2_cudagraph_reserve",
+           {"own": own, "pinned_1gib": pinned, "stock": stock, "captured_gib": actual})
     assert own["runner"].startswith("vllm.v1.worker.gpu.") and own["generated"] == 8
     assert own["estimate"] > 0 and "Reserving" in own_logs
     assert pinned["estimate"] == 1 << 30
