@@ -336,6 +336,19 @@ def _capacity(config, specs: dict[str, Any]) -> dict[str, Any]:
     max_len = config.model_config.max_model_len
     slots = config.scheduler_config.max_num_seqs
     spare = num_blocks - blocks_max
+    peak, longest = _running_peak(config, groups, num_blocks)
+    stall = None
+    if refusal is None and peak > num_blocks:
+        extra = ["block 0 is the pool's null block"]
+        if config.num_lookahead_tokens:
+            extra.append(f"the attention groups hold {config.num_lookahead_tokens} lookahead slots more")
+        if config.scheduler_config.async_scheduling:
+            extra.append("async scheduling keeps one more state block per GDN group")
+        refusal = stall = (
+            f"a {max_len:,}-token request needs {peak:,} blocks while it runs, the pool has {num_blocks:,}, "
+            f"vLLM admits it at {blocks_max:,} ({'; '.join(extra)}): it would preempt itself and never be "
+            "admitted again, and the engine would serve nothing more"
+        )
     attention_groups = sum(row["kind"] == "attention" for row in group_rows)
     attention_block = next((row["block_size"] for row in group_rows if row["kind"] == "attention"), 0)
     return {
@@ -363,10 +376,49 @@ def _capacity(config, specs: dict[str, Any]) -> dict[str, Any]:
             min(slots, 1 + spare // blocks_min) if spare >= 0 and blocks_min else 0
         ),
         "fits_with_all_slots_busy": spare >= 0 and spare >= (slots - 1) * blocks_min,
+        "blocks_per_request_at_peak": peak,
+        "stall": stall,
         "max_model_len_that_fits": int(
-            kv_cache_utils._estimate_max_model_len_from_groups(config, groups, pool)
+            min(kv_cache_utils._estimate_max_model_len_from_groups(config, groups, pool), longest)
         ),
     }
+
+
+def _running_peak(config, groups, num_blocks: int) -> tuple[int, int]:
+    """Blocks one request of max_model_len holds at its peak while it runs, and the longest
+    request whose peak fits ``num_blocks``.
+
+    vLLM 0.28.0 admits a request against ``num_blocks`` with the blocks its specs price
+    (`get_max_concurrency_for_kv_cache_config`), but a running one needs more: block 0 is the
+    pool's null block and never allocated (`block_pool.py`); `allocate_slots` adds the
+    drafter's lookahead slots past the scheduled tokens; with async scheduling each GDN group
+    frees its previous state block only after the step in flight (`kv_cache_manager.py`), one
+    more per group than the align-mode price. A request past that peak preempts itself, and a
+    waiting request must fit whole to be re-admitted (`scheduler_reserve_full_isl`): it never
+    is, and the engine serves nothing more. Measured on the CPU build on 2026-12-03
+    (docs/plan.md, "A request must fit while it runs"): at a 1.00x pool a prompt within one
+    block of max_model_len stalls the server; one block more and it finishes.
+    """
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    max_len = config.model_config.max_model_len
+    lookahead = config.num_lookahead_tokens
+    in_flight = 1 if config.scheduler_config.async_scheduling else 0
+    fixed, attention = 1, []  # the null block; then the groups that grow with the context
+    for group in groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            fixed += cdiv(spec.max_memory_usage_bytes(config), spec.page_size_bytes) + in_flight
+        elif isinstance(spec, SlidingWindowSpec):
+            fixed += cdiv(spec.max_memory_usage_bytes(config), spec.page_size_bytes)
+        else:
+            attention.append(spec.block_size)
+    peak = fixed + sum(cdiv(max_len + lookahead, size) for size in attention)
+    if not attention:
+        return peak, max_len
+    per_group = max(0, num_blocks - fixed) // len(attention)
+    return peak, max(0, per_group * min(attention) - lookahead)
 
 
 def _inspect_in_this_process() -> None:

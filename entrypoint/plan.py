@@ -10,8 +10,10 @@ installed tree itself when it is that version, else a view of it (`series_tree`)
 The engine that will serve decides which answer counts (``Plan.patched``): the
 patched one for a profile that requires the patches (the launcher refuses to serve it
 otherwise), else whatever the installed tree is. ``Plan.fits`` is vLLM's own
-admission rule: one request of the engine's max_model_len fits in the pool; when it
-is False the engine would refuse at start (`_check_enough_kv_cache_memory`).
+admission rule (one request of the engine's max_model_len fits in the pool; else the
+engine would refuse at start, `_check_enough_kv_cache_memory`) and one more: such a
+request must also fit while it runs, or it would stall the engine
+(`entrypoint.kv_capacity._running_peak`, docs/plan.md).
 
 Answers are kept in ``CACHE_DIR/plan/``, keyed by everything they depend on (the
 resolved engine minus what cannot change the KV cache, the model configs, the patch
@@ -123,6 +125,8 @@ class Capacity(BaseModel):
     max_num_seqs: int | None = None
     blocks_per_request_at_max_len: int | None = None
     blocks_per_request_minimum: int | None = None
+    blocks_per_request_at_peak: int | None = None
+    stall: str | None = None  # admitted by vLLM, but too big while it runs (kv_capacity._running_peak)
     state_bytes_per_request: int | None = None
     window_bytes_per_request: int | None = None
     context_bytes_per_token: float | None = None
@@ -172,6 +176,7 @@ class Plan(BaseModel):
             f"the pool holds {self.pool_tokens:,} tokens at this layout, "
             f"max_model_len that fits is {cap.max_model_len_that_fits or 0:,}; "
             "lower MAX_MODEL_LEN or raise KV_CACHE_MEMORY_BYTES"
+            + (f" ({cap.stall})" if cap.stall else "")
         )
 
 
@@ -517,8 +522,8 @@ def render_plan(plan: Plan) -> str:
             f"at {cap.max_model_len:,} tokens)",
             f"    blocks             {cap.num_blocks:,} x {cap.block_size} tokens, {cap.group_size} layers "
             f"per group, {_mib(cap.bytes_per_block)} per block",
-            f"    per request        {cap.blocks_per_request_at_max_len} blocks at max context, "
-            f"{cap.blocks_per_request_minimum} at least; state {_mib(cap.state_bytes_per_request)}, "
+            f"    per request        {cap.blocks_per_request_at_max_len} blocks at max context "
+            f"({cap.blocks_per_request_at_peak} while it runs), {cap.blocks_per_request_minimum} at least; state {_mib(cap.state_bytes_per_request)}, "
             f"drafter window {_mib(cap.window_bytes_per_request)}, "
             f"{(cap.context_bytes_per_token or 0) / 1024:,.1f} KiB per context token",
             f"    slots resident     {cap.slots_resident} of {cap.max_num_seqs} (short requests), "

@@ -48,3 +48,70 @@ def test_qwen38_plan_answers_what_serve_planned_from_the_same_cache_entry(cpu_se
     plan = json.loads(done.stdout)
     assert plan["reused"] is True
     assert plan["pool_tokens"] == pools(cpu_server.log.read_text()).engine_tokens
+
+
+# ---- a request must fit while it runs (docs/plan.md) --------------------------------------
+
+RUNS = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+
+pool, max_len, fits = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, kv_cache_memory_bytes=pool, max_model_len=max_len,
+          max_num_seqs=1, max_num_batched_tokens=1024, enable_prefix_caching=True, enforce_eager=True,
+          mamba_ssm_cache_dtype="float32", dtype="bfloat16")
+engine = llm.llm_engine
+scheduler = engine.engine_core.engine_core.scheduler
+params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0, detokenize=False)
+
+
+def run(request_id, length, steps=400):
+    # One request stepped by hand: finished, or stalled (waiting, nothing scheduled, no progress).
+    tokens = [(i * 7919 + 13) % 1000 + 3 for i in range(length)]
+    engine.add_request(request_id, {"prompt_token_ids": tokens}, params)
+    idle = 0
+    for _ in range(steps):
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return {"finished": True, "tokens": len(out.outputs[0].token_ids)}
+        idle = idle + 1 if not scheduler.running else 0
+        if idle >= 50:
+            return {"finished": False, "waiting": len(scheduler.waiting), "running": len(scheduler.running)}
+    return {"finished": False, "steps": steps}
+
+
+print(json.dumps({"blocks": scheduler.kv_cache_manager.block_pool.num_gpu_blocks,
+                  "fits": run("fits", fits - 4), "past": run("past", max_len - 64)}))
+"""
+
+
+def test_a_request_the_plan_says_runs_finishes_and_one_past_it_stalls_the_engine(tiny_root, tmp_path):
+    """At a pool vLLM admits at exactly 1.00x (19 blocks of 640 tokens for 8,192), the plan
+    refuses 8,192 and names 7,680: the null block and the GDN groups' state blocks take the rest.
+    The real engine, given 8,192 anyway: a request of 7,680 tokens in all runs to its end; one of
+    8,128 + 4 preempts itself and is never admitted again (the H200's 112k stall, at tiny size)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, clean_env
+    from tests.support.vllm_env import vllm_child_env
+
+    pool, max_len = 19 * 327_680, 8192
+    env = clean_env(MODELS_DIR=str(tiny_root), CACHE_DIR=str(tmp_path / "cache"), KV_CACHE_MEMORY_BYTES=str(pool),
+                    MAX_MODEL_LEN=str(max_len))
+    done = run_cli("plan", "--profile", "cpu", "--no-compare", "--json", env=env)
+    plan = json.loads(done.stdout)
+    assert done.returncode != 0 and not plan["fits"] and plan["max_concurrency"] == 1.0, done.stdout + done.stderr
+    serving = plan["serving"]
+    assert serving["num_blocks"] == 19 and serving["block_size"] == 640
+    assert serving["blocks_per_request_at_peak"] == 20 and "would preempt itself" in serving["stall"]
+    fits = serving["max_model_len_that_fits"]
+    assert fits == 7680 and "MAX_MODEL_LEN" in done.stderr and "7,680" in done.stderr
+    ran = subprocess.run([sys.executable, "-c", RUNS, str(tiny_root / "tiny" / "target"), str(pool), str(max_len),
+                          str(fits)], env={**vllm_child_env(tmp_path / "vllm"), "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-4000:]
+    result = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert result["blocks"] == 19
+    assert result["fits"] == {"finished": True, "tokens": 4}
+    assert result["past"]["finished"] is False and result["past"].get("waiting") == 1, result
