@@ -71,7 +71,7 @@ class Served:
 
 
 VERIFY_DEPTHS = (25_000, 128_000)  # the split-KV verify kernel's contexts (docs/split-kv.md)
-LOOKUP_LONG_CONTEXT = 113_280  # `long` with the 16-token block: what its pinned pool holds (docs/lookup.md)
+LOOKUP_LONG_CONTEXT = 109_488  # `long` with the 16-token block: the longest request its pinned pool runs (docs/lookup.md)
 
 
 # In the order they are started (what matters most first, for a lease that ends before the
@@ -86,7 +86,7 @@ SERVED: dict[str, Served] = {
     "long-uncapped-full": Served("long", None, after_failure_of="long-full"),
     "single-nospec-full": Served("single", HEADLESS_3090_BYTES, speculation=False),
     # Reproduction mode (patch 0072): the 16-token verify block at depth and tokens per step;
-    # the wider block's GDN state leaves `long`'s pinned pool 113,280 tokens (docs/lookup.md).
+    # the wider block's GDN state leaves `long`'s pinned pool 109,488 tokens (docs/lookup.md).
     "long-lookup-full": Served("long", HEADLESS_3090_BYTES, lookup=True, max_model_len=LOOKUP_LONG_CONTEXT,
                                workloads=("c1", "verify")),
     # Patch 0045 off: the verify step's attention without the split-KV kernel (the decode
@@ -133,15 +133,18 @@ class Workload:
 # What each measured workload sends, by size: `full` is the articles' sizes, `quick` fits a short
 # lease, `tiny` the CPU dry run. `prefill`: time to first token at 1k / 10k / 64k; `verify`: the
 # decode steps at 25k and 128k of context (the verify step's attention, with split-KV on or off).
+# A deep prompt's first token: `long`'s int8 KV prefilled 128k in 175 s on the H200 (2026-12-02);
+# the 112k prompt of reproduction mode had none within the bench's default 300 s (2026-12-03).
+DEEP = ("--request-timeout", "480")
 MEASURE_SIZES: dict[str, dict[str, Workload]] = {
     "full": {"c1": Workload("c1", ("--requests", "5", "--output-tokens", "2048")),
              "c8": Workload("c8", ("--requests", "32")),
-             "prefill": Workload("depth", (), PREFILL_TOKENS, 16),
-             "verify": Workload("depth", (), VERIFY_DEPTHS, 128, clamp=True)},
+             "prefill": Workload("depth", DEEP, PREFILL_TOKENS, 16),
+             "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 128, clamp=True)},
     "quick": {"c1": Workload("c1", ("--requests", "2", "--output-tokens", "256")),
               "c8": Workload("c8", ("--requests", "16")),
-              "prefill": Workload("depth", (), PREFILL_TOKENS, 16),
-              "verify": Workload("depth", (), VERIFY_DEPTHS, 48, clamp=True)},
+              "prefill": Workload("depth", DEEP, PREFILL_TOKENS, 16),
+              "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 48, clamp=True)},
     "tiny": {"c1": Workload("c1", ("--requests", "1", "--input-tokens", "64", "--output-tokens", "24")),
              "c8": Workload("c8", ("--requests", "8", "--input-tokens", "64", "--output-tokens", "16")),
              "prefill": Workload("depth", (), (128, 512), 8),

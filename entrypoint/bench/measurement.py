@@ -172,6 +172,11 @@ def run_point(client: StackClient, jobs: Sequence[Sequence[RequestSpec]], concur
         first = errors[0]
         if isinstance(first, BenchError):
             raise first
+        if isinstance(first, httpx.TimeoutException):
+            raise BenchError(
+                f"a benchmark request failed: the server sent nothing within the request timeout ({first}); "
+                "a long prompt's prefill can take longer: raise --request-timeout (seconds)"
+            )
         raise BenchError(f"a benchmark request failed: {first}")
     flat = [r for row in records for r in row]
     after = settled_metrics(client, before, sum(r.completion_tokens or 0 for r in flat))

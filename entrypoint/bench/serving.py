@@ -20,11 +20,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from entrypoint.bench import provenance, report
 from entrypoint.bench.measurement import ServerTokenizer, run_point, warm_up
 from entrypoint.bench.prompts import PROMPTS_VERSION
 from entrypoint.bench.workloads import WORKLOADS, Context, Workload, params_from_args
-from entrypoint.client import StackClient
+from entrypoint.client import DEFAULT_TIMEOUT, StackClient
 from entrypoint.errors import BenchError, SettingsError
 
 DEFAULT_SEED = 0
@@ -128,7 +130,9 @@ def _cmd_workload(args: argparse.Namespace) -> int:
     workload = WORKLOADS[args.bench]
     params = params_from_args(workload, vars(args))
     cache_dir = Path(args.cache_dir or os.environ.get("CACHE_DIR") or ".cache/qwen38")
-    with StackClient(args.base_url, api_key(args)) as client:
+    d = DEFAULT_TIMEOUT
+    timeout = httpx.Timeout(connect=d.connect, read=args.request_timeout, write=d.write, pool=d.pool)
+    with StackClient(args.base_url, api_key(args), timeout=timeout) as client:
         doc = run_workload(
             client,
             workload,
@@ -212,6 +216,24 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         help="CACHE_DIR of a local deployment, to read its identity (default: CACHE_DIR or .cache/qwen38)",
     )
     parser.add_argument("--machine-note", help="free text recorded with the machine, e.g. 'RTX 3090, 300 W limit'")
+    parser.add_argument(
+        "--request-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_TIMEOUT.read,
+        metavar="SECONDS",
+        help=f"how long a request may wait for the server's next byte, its first token included "
+        f"(default {DEFAULT_TIMEOUT.read:.0f}; a prompt of 100k tokens or more can take longer to prefill)",
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, got {text!r}")
+    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -118,6 +118,23 @@ def test_a_paused_idle_engine_fails_the_canary_and_a_later_canary_heals_it(watch
     assert len(_lines(watched, "qwen38: watchdog: recovered: a canary answered")) >= 1
 
 
+def test_a_bench_request_with_no_answer_within_its_timeout_fails_naming_the_flag(watched):
+    """A request whose first token does not come within --request-timeout (here: the engine
+    paused; at full size a 112k-token prefill took longer than the 300 s default) ends the
+    bench with one line that names the flag to raise."""
+    _status_until(watched, lambda s: s["ready"], 30, "a healthy server")
+    with paused(engine_core_pid(watched)):
+        result = run_cli(
+            "bench", "c1", "--base-url", watched.base_url, "--model", BASE, "--warmup", "0",
+            "--requests", "1", "--output-tokens", "8", "--request-timeout", "2",
+            env={**watched.env, "VLLM_API_KEY": watched.api_key}, timeout=120,
+        )
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "the server sent nothing within the request timeout" in result.stderr
+    assert "raise --request-timeout (seconds)" in result.stderr and "Traceback" not in result.stderr
+    _status_until(watched, lambda s: s["ready"], 40, "the server healthy again after the pause")
+
+
 def test_by_default_a_stall_stops_the_engine_and_serve_exits_1_saying_why(watched, tiny_root, api_key_file, tmp_path):
     stop_server(watched)  # one server at a time; this one reuses its plan and compile caches
     settings = {k: v for k, v in KNOBS.items() if k != "WATCHDOG_CANARY_INTERVAL"}
