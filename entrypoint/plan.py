@@ -523,7 +523,8 @@ def render_plan(plan: Plan) -> str:
             f"    blocks             {cap.num_blocks:,} x {cap.block_size} tokens, {cap.group_size} layers "
             f"per group, {_mib(cap.bytes_per_block)} per block",
             f"    per request        {cap.blocks_per_request_at_max_len} blocks at max context "
-            f"({cap.blocks_per_request_at_peak} while it runs), {cap.blocks_per_request_minimum} at least; state {_mib(cap.state_bytes_per_request)}, "
+            f"({cap.blocks_per_request_at_peak} while it runs), {cap.blocks_per_request_minimum} at least; "
+            f"state {_mib(cap.state_bytes_per_request)}, "
             f"drafter window {_mib(cap.window_bytes_per_request)}, "
             f"{(cap.context_bytes_per_token or 0) / 1024:,.1f} KiB per context token",
             f"    slots resident     {cap.slots_resident} of {cap.max_num_seqs} (short requests), "

@@ -71,7 +71,8 @@ class Served:
 
 
 VERIFY_DEPTHS = (25_000, 128_000)  # the split-KV verify kernel's contexts (docs/split-kv.md)
-LOOKUP_LONG_CONTEXT = 109_488  # `long` with the 16-token block: the longest request its pinned pool runs (docs/lookup.md)
+# `long` with the 16-token block: the longest request its pinned pool runs to its end (docs/lookup.md).
+LOOKUP_LONG_CONTEXT = 109_488
 
 
 # In the order they are started (what matters most first, for a lease that ends before the

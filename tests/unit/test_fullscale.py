@@ -277,7 +277,8 @@ def test_depths_that_do_not_fit_the_served_context_are_measured_at_the_deepest_t
     assert verify.argv(65_536) == [*fs.DEEP, "--depths", "25000,65000", "--output-tokens", "48"]
     assert verify.argv(fs.LOOKUP_LONG_CONTEXT) == [*fs.DEEP, "--depths", "25000,109000", "--output-tokens", "48"]
     assert verify.argv(16_384) == [*fs.DEEP, "--depths", "16000", "--output-tokens", "48"]
-    assert fs.MEASURE_SIZES["quick"]["prefill"].argv(16_384) == [*fs.DEEP, "--depths", "1000,10000", "--output-tokens", "16"]
+    prefill = fs.MEASURE_SIZES["quick"]["prefill"]
+    assert prefill.argv(16_384) == [*fs.DEEP, "--depths", "1000,10000", "--output-tokens", "16"]
     # The CPU dry run's depths are dropped, never deepened (a 30k prefill there takes minutes).
     assert fs.MEASURE_SIZES["tiny"]["verify"].argv(4096) == ["--depths", "1024", "--output-tokens", "16"]
     assert fs.MEASURE_SIZES["tiny"]["verify"].argv(512) is None
