@@ -161,7 +161,7 @@ class Settings(BaseSettings):
     watchdog_stall_timeout: float = _knob(
         120.0,
         "runtime",
-        "Watchdog: seconds with requests running and no engine progress (no token generated or prefilled, "
+        "Watchdog: seconds with requests running or waiting and no engine progress (no token generated or prefilled, "
         "no KV-cache change) before the server is declared stalled (0: off).",
         ge=0,
         le=3600,

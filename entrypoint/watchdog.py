@@ -6,10 +6,13 @@ process) leaves it green, and so would the container's healthcheck. The watchdog
 the readiness gate's thread of `qwen38 serve`'s supervisor once the gate passed, reads
 ``/metrics`` (with the key) every few seconds, and checks:
 
-- **stall**: requests running and no engine progress for WATCHDOG_STALL_TIMEOUT seconds.
-  Progress is a generated token, a finished prefill, or a change of the KV-cache usage (a
-  long prompt prefilling in chunks moves it at every chunk before its first token), so a
-  long prefill is not a stall.
+- **stall**: requests running or waiting and no engine progress for WATCHDOG_STALL_TIMEOUT
+  seconds. Progress is a generated token, a finished prefill, or a change of the KV-cache
+  usage (a long prompt prefilling in chunks moves it at every chunk before its first token),
+  so a long prefill is not a stall. Waiting counts too: a request too big for the pool while
+  it runs preempts itself and then waits forever with nothing running (docs/plan.md, "A
+  request must fit while it runs"; the planner refuses such contexts, the watchdog catches
+  what gets past it).
 - **canary**: every WATCHDOG_CANARY_INTERVAL seconds, the readiness gate's greedy canary
   again (`entrypoint.canary`); no answer with a token within WATCHDOG_CANARY_TIMEOUT is a
   failure. It is sent only after a whole poll interval in which nothing ran, waited or
@@ -136,7 +139,7 @@ class Sample:
 
 
 class StallCheck:
-    """Requests running and no progress for ``timeout`` seconds."""
+    """Requests running or waiting and no progress for ``timeout`` seconds."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
@@ -145,11 +148,12 @@ class StallCheck:
         self._busy = False
 
     def observe(self, sample: Sample) -> float | None:
-        """Seconds without progress while requests run, once that reaches the timeout; else None.
+        """Seconds without progress while requests run or wait, once that reaches the timeout;
+        else None.
 
-        The clock starts at the first read that sees requests running (after an idle one) or
-        the last read that saw progress."""
-        busy = sample.running > 0
+        The clock starts at the first read that sees requests (after an idle one) or the last
+        read that saw progress."""
+        busy = sample.running > 0 or sample.waiting > 0
         started = busy and not self._busy
         self._busy = busy
         if self._progress is None or not busy or started or sample.progress() != self._progress:
@@ -364,8 +368,10 @@ class Watchdog:
                 stalled = self.stall.observe(sample)
                 if stalled is not None:
                     problem = (
-                        f"engine stalled: {sample.running:.0f} request(s) running and no token generated or "
-                        f"prefilled for {stalled:.0f} s (WATCHDOG_STALL_TIMEOUT={config.stall_timeout:g})"
+                        f"engine stalled: {sample.running:.0f} request(s) running"
+                        + (f", {sample.waiting:.0f} waiting" if sample.waiting else "")
+                        + f" and no token generated or prefilled for {stalled:.0f} s "
+                        f"(WATCHDOG_STALL_TIMEOUT={config.stall_timeout:g})"
                     )
                     if self._unhealthy(STALL, problem, stop):
                         return

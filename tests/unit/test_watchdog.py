@@ -35,6 +35,19 @@ def test_any_engine_progress_restarts_the_stall_clock(moved):
     assert check.observe(sample(18, running=1, **{"generated": 5, **moved})) == pytest.approx(10.0)
 
 
+def test_a_request_left_waiting_with_nothing_running_is_a_stall_too():
+    """A request too big for the pool while it runs preempts itself and then waits forever,
+    nothing running (docs/plan.md); a queue that moves is not a stall."""
+    check = StallCheck(timeout=10)
+    assert check.observe(sample(0, running=1, waiting=1, generated=5, kv=0.5)) is None
+    assert check.observe(sample(4, running=0, waiting=1, generated=5, kv=0.8)) is None  # it preempted itself
+    assert check.observe(sample(13.9, running=0, waiting=1, generated=5, kv=0.8)) is None
+    assert check.observe(sample(14, running=0, waiting=1, generated=5, kv=0.8)) == pytest.approx(10.0)
+    moving = StallCheck(timeout=10)
+    for t in range(0, 60, 5):  # waiting behind busy slots while tokens flow
+        assert moving.observe(sample(t, running=4, waiting=2, generated=5 + t)) is None
+
+
 def test_an_idle_server_is_never_stalled():
     check = StallCheck(timeout=10)
     for t in range(0, 100, 5):
