@@ -336,13 +336,15 @@ def _capacity(config, specs: dict[str, Any]) -> dict[str, Any]:
     max_len = config.model_config.max_model_len
     slots = config.scheduler_config.max_num_seqs
     spare = num_blocks - blocks_max
-    peak, longest = _running_peak(config, groups, num_blocks)
+    lookahead = config.num_lookahead_tokens
+    in_flight = 1 if config.scheduler_config.async_scheduling else 0
+    peak, longest = _running_peak(group_rows, max_len, lookahead, in_flight, num_blocks)
     stall = None
     if refusal is None and peak > num_blocks:
         extra = ["block 0 is the pool's null block"]
-        if config.num_lookahead_tokens:
-            extra.append(f"the attention groups hold {config.num_lookahead_tokens} lookahead slots more")
-        if config.scheduler_config.async_scheduling:
+        if lookahead:
+            extra.append(f"the attention groups hold {lookahead} lookahead slots more")
+        if in_flight:
             extra.append("async scheduling keeps one more state block per GDN group")
         refusal = stall = (
             f"a {max_len:,}-token request needs {peak:,} blocks while it runs, the pool has {num_blocks:,}, "
@@ -384,37 +386,28 @@ def _capacity(config, specs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _running_peak(config, groups, num_blocks: int) -> tuple[int, int]:
-    """Blocks one request of max_model_len holds at its peak while it runs, and the longest
-    request whose peak fits ``num_blocks``.
+def _running_peak(group_rows: list[dict[str, Any]], max_len: int, lookahead: int, in_flight: int,
+                  num_blocks: int) -> tuple[int, int]:
+    """Blocks one request of ``max_len`` holds at its peak while it runs, and the longest
+    request whose peak fits ``num_blocks`` (from `_capacity`'s group rows).
 
     vLLM 0.28.0 admits a request against ``num_blocks`` with the blocks its specs price
     (`get_max_concurrency_for_kv_cache_config`), but a running one needs more: block 0 is the
     pool's null block and never allocated (`block_pool.py`); `allocate_slots` adds the
-    drafter's lookahead slots past the scheduled tokens; with async scheduling each GDN group
-    frees its previous state block only after the step in flight (`kv_cache_manager.py`), one
-    more per group than the align-mode price. A request past that peak preempts itself, and a
-    waiting request must fit whole to be re-admitted (`scheduler_reserve_full_isl`): it never
-    is, and the engine serves nothing more. Measured on the CPU build on 2026-12-03
-    (docs/plan.md, "A request must fit while it runs"): at a 1.00x pool a prompt within one
-    block of max_model_len stalls the server; one block more and it finishes.
+    drafter's ``lookahead`` slots past the scheduled tokens; with async scheduling
+    (``in_flight`` 1) each GDN group frees its previous state block only after the step in
+    flight (`kv_cache_manager.py`), one more per group than the align-mode price. A request
+    past that peak preempts itself, and a waiting request must fit whole to be re-admitted
+    (`scheduler_reserve_full_isl`): it never is, and the engine serves nothing more. Measured
+    on the CPU build on 2026-12-03 (docs/plan.md, "A request must fit while it runs"): at a
+    1.00x pool a prompt within one block of max_model_len stalls the server; one block more
+    and it finishes.
     """
-    from vllm.utils.math_utils import cdiv
-    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
-
-    max_len = config.model_config.max_model_len
-    lookahead = config.num_lookahead_tokens
-    in_flight = 1 if config.scheduler_config.async_scheduling else 0
-    fixed, attention = 1, []  # the null block; then the groups that grow with the context
-    for group in groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, MambaSpec):
-            fixed += cdiv(spec.max_memory_usage_bytes(config), spec.page_size_bytes) + in_flight
-        elif isinstance(spec, SlidingWindowSpec):
-            fixed += cdiv(spec.max_memory_usage_bytes(config), spec.page_size_bytes)
-        else:
-            attention.append(spec.block_size)
-    peak = fixed + sum(cdiv(max_len + lookahead, size) for size in attention)
+    fixed = 1  # the null block; then the groups whose blocks do not grow with the context
+    fixed += sum(row["blocks_per_request"] + in_flight for row in group_rows if row["kind"] == "gdn-state")
+    fixed += sum(row["blocks_per_request"] for row in group_rows if row["kind"] == "sliding-window")
+    attention = [row["block_size"] for row in group_rows if row["kind"] == "attention"]
+    peak = fixed + sum((max_len + lookahead + size - 1) // size for size in attention)  # blocks, rounded up
     if not attention:
         return peak, max_len
     per_group = max(0, num_blocks - fixed) // len(attention)
