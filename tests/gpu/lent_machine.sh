@@ -4,12 +4,15 @@
 #   ../shared/tools/gpu-payload.sh /tmp/payload       # part_00..part_05, 56 MiB each
 #   tests/gpu/pack_site.sh /tmp/payload .device-payload  # site_00..site_03: one xz'd site, 4 calls
 #   pip download --python-version 3.12 --only-binary=:all: -d .whl pytest pytest-timeout tomli-w py-spy
+# and, optionally, FlashInfer's prebuilt modules brought back from a lease (the same FlashInfer
+# and arch only): .device-payload/flashinfer-aot-sm90.tar.xz, carried with the last site part.
 # (the parts of gpu-payload.sh staged as they are work too: `install` takes either form)
 # Then, one call per part (each carries .device-payload/part_NN):
 #   tests/gpu/lent_machine.sh stage          copy this call's parts and wheels to /tmp
 #   tests/gpu/lent_machine.sh tools          pytest & co. into /tmp/qwen38-tools (kernel tests)
 #   tests/gpu/lent_machine.sh install        join the parts, unpack vLLM into /tmp/qwen38-site
 #   source <(tests/gpu/lent_machine.sh env)  PYTHONPATH for both
+#   tests/gpu/lent_machine.sh fullscale-prep SERVED   `bench fullscale`'s preparation, overlapped
 # A tier run outlives the 10-minute call limit by running in a session of its own (setsid):
 #   tests/gpu/lent_machine.sh tier-start [FILES]   start `make gpu-test` in the background
 #   tests/gpu/lent_machine.sh tier-wait SECONDS    wait for every lane (at most SECONDS), then
@@ -40,7 +43,7 @@ case "${1:-}" in
   stage)
     mkdir -p "$STAGE"
     shopt -s nullglob
-    for f in .device-payload/part_* .device-payload/site_* .whl/*.whl; do cp "$f" "$STAGE/"; done
+    for f in .device-payload/part_* .device-payload/site_* .device-payload/flashinfer-aot-*.tar.xz .whl/*.whl; do cp "$f" "$STAGE/"; done
     echo "staged: $(cd "$STAGE" && echo *)"
     ;;
   tools)
@@ -51,6 +54,12 @@ case "${1:-}" in
     if compgen -G "$STAGE/site_*" > /dev/null; then
       mkdir -p "$SITE"
       cat "$STAGE"/site_* | python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1])" "$SITE"
+      # FlashInfer's sampling and top-k modules as a previous lease built them (`qwen38 toolchain
+      # prebuild` for sm_90, into the site's AOT directory): `bench fullscale prebuild` then finds
+      # them and saves its 3 minutes of nvcc.
+      for aot in "$STAGE"/flashinfer-aot-*.tar.xz; do
+        if [ -e "$aot" ]; then tar -C "$SITE" -xJf "$aot"; echo "FlashInfer modules from $(basename "$aot")"; fi
+      done
       echo "vLLM $(PYTHONPATH=$SITE python3 -c 'import importlib.metadata as m; print(m.version("vllm"))') in $SITE"
       exit 0
     fi
@@ -64,6 +73,34 @@ case "${1:-}" in
     ;;
   env)
     echo "export PYTHONPATH=$PWD:$SITE:$TOOLS"
+    ;;
+  fullscale-prep)
+    # `bench fullscale run` prepares one step after another; here the steps that do not need
+    # each other overlap (FlashInfer's prebuild is minutes of nvcc on the CPU, the generator
+    # minutes of disk), and a sampler records where each engine is every 15 s (py-spy, into
+    # the logs `run` brings back). Then: `bench fullscale run --root /tmp/qwen38-fullscale ...`.
+    served=${2:?"usage: $0 fullscale-prep SERVED (a comma list, as for bench fullscale run --served)"}
+    root=/tmp/qwen38-fullscale; q="python3 -m entrypoint.cli bench fullscale"
+    mkdir -p "$root/logs"
+    $q patches --root "$root" | tail -3
+    $q bandwidth --root "$root" | tail -3
+    CUDA_VISIBLE_DEVICES='' FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0} \
+      $q prebuild --root "$root" > "$root/logs/prebuild.log" 2>&1 &
+    builder=$!
+    $q generate --root "$root" --served "$served" | tail -3
+    $q requantize --root "$root" | tail -3
+    wait "$builder" || echo "prebuild failed: $root/logs/prebuild.log"
+    tail -3 "$root/logs/prebuild.log"
+    if [ -x "$TOOLS/bin/py-spy" ] && ! pgrep -f "lent_machine.sh fullscale-stacks" > /dev/null; then
+      setsid nohup "$0" fullscale-stacks >> "$root/logs/stacks.log" 2>&1 < /dev/null &
+    fi
+    ;;
+  fullscale-stacks)
+    # Every engine's Python stack every 15 s, until the machine goes.
+    set +e +o pipefail
+    while sleep 15; do
+      for pid in $(pgrep -f EngineCore); do date -u +%T; "$TOOLS/bin/py-spy" dump --pid "$pid" | head -40; done
+    done
     ;;
   tier-start)
     shift
@@ -127,7 +164,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: $0 stage|tools|install|env|tier-start [FILES]|tier-wait SECONDS" >&2
+    echo "usage: $0 stage|tools|install|env|fullscale-prep SERVED|tier-start [FILES]|tier-wait SECONDS" >&2
     exit 2
     ;;
 esac
