@@ -54,21 +54,20 @@ case "${1:-}" in
     if compgen -G "$STAGE/site_*" > /dev/null; then
       mkdir -p "$SITE"
       cat "$STAGE"/site_* | python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1])" "$SITE"
-      # FlashInfer's sampling and top-k modules as a previous lease built them (`qwen38 toolchain
-      # prebuild` for sm_90, into the site's AOT directory): `bench fullscale prebuild` then finds
-      # them and saves its 3 minutes of nvcc.
-      for aot in "$STAGE"/flashinfer-aot-*.tar.xz; do
-        if [ -e "$aot" ]; then tar -C "$SITE" -xJf "$aot"; echo "FlashInfer modules from $(basename "$aot")"; fi
-      done
-      echo "vLLM $(PYTHONPATH=$SITE python3 -c 'import importlib.metadata as m; print(m.version("vllm"))') in $SITE"
-      exit 0
+    else
+      work=$(mktemp -d)
+      cat "$STAGE"/part_* | tar -C "$work" -xf -
+      python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \
+        "$work/payload/vllm-slim.zip" "$SITE"
+      python3 -m pip install -q --no-index --no-deps --target "$SITE" "$work"/payload/deps/*.whl
+      rm -rf "$work"
     fi
-    work=$(mktemp -d)
-    cat "$STAGE"/part_* | tar -C "$work" -xf -
-    python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \
-      "$work/payload/vllm-slim.zip" "$SITE"
-    python3 -m pip install -q --no-index --no-deps --target "$SITE" "$work"/payload/deps/*.whl
-    rm -rf "$work"
+    # FlashInfer's sampling and top-k modules as a previous lease built them (`qwen38 toolchain
+    # prebuild` for sm_90, into the site's AOT directory): `bench fullscale prebuild` then finds
+    # them and saves its 3 minutes of nvcc. Either form of the payload takes them.
+    for aot in "$STAGE"/flashinfer-aot-*.tar.xz; do
+      if [ -e "$aot" ]; then tar -C "$SITE" -xJf "$aot"; echo "FlashInfer modules from $(basename "$aot")"; fi
+    done
     echo "vLLM $(PYTHONPATH=$SITE python3 -c 'import importlib.metadata as m; print(m.version("vllm"))') in $SITE"
     ;;
   env)
