@@ -87,7 +87,11 @@ case "${1:-}" in
       $q prebuild --root "$root" > "$root/logs/prebuild.log" 2>&1 &
     builder=$!
     $q generate --root "$root" --served "$served" | tail -3
-    $q requantize --root "$root" | tail -3
+    # A `spark-lora` copy needs the adapter too (CPU and disk as requantize, other files).
+    $q requantize --root "$root" | tail -3 &
+    requantizer=$!
+    if [[ ",$served," == *,spark-lora* ]]; then $q adapter --root "$root" | tail -3; fi
+    wait "$requantizer" || echo "requantize failed"
     wait "$builder" || echo "prebuild failed: $root/logs/prebuild.log"
     tail -3 "$root/logs/prebuild.log"
     if [ -x "$TOOLS/bin/py-spy" ] && ! pgrep -f "lent_machine.sh fullscale-stacks" > /dev/null; then
