@@ -314,6 +314,9 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         fp = row.get("footprint") or {}
         decode = row.get("decode") or {}
 
+        def part(key: str) -> str:  # a part the run could not attribute is None (e.g. graphs beside a start)
+            return _gib((fp.get(key) or {}).get("bytes"))
+
         def step(key: str) -> str:
             d = decode.get(key)
             return "-" if not d else f"{d['step_ms']:.1f} ({d['tokens_per_step']:.2f})"
@@ -323,9 +326,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {row.get('ready_s', '-')} | {pool.get('engine_tokens') or '-'} / {pool.get('plan_tokens') or '-'}"
             f" / {pool.get('seed_tokens') or '-'} | {_gib((row.get('peak') or {}).get('bytes'))} | "
-            f"{row.get('cap_held', '-')} | {_gib(fp.get('weights', {}).get('bytes'))} | "
-            f"{_gib(fp.get('kv_pool', {}).get('bytes'))} | {_gib(fp.get('cuda_graphs', {}).get('bytes'))} | "
-            f"{_gib(fp.get('residual_workspace_activations_context', {}).get('bytes'))} | {step('c1')} | "
+            f"{row.get('cap_held', '-')} | {part('weights')} | {part('kv_pool')} | {part('cuda_graphs')} | "
+            f"{part('residual_workspace_activations_context')} | {step('c1')} | "
             f"{step('c8')} | {prefill} | {_alone(row)} |"
         )
         if row.get("failed"):

@@ -264,8 +264,14 @@ def test_the_summary_table_has_a_row_per_served_copy():
                                             "measured_alone": False,
                                             "gpu_neighbours_while_measured": {"8826": 1 << 30, "8859": 1 << 30}},
                             "long-full": {"failed": "the server exited before its gate"}}}
+    # A copy that started beside another: its graphs are not its own to name (None), the rest is.
+    log = figures.parse_engine_log(LOG)
+    beside = figures.footprint(log, peak_process=23 * fs.GIB, kv_pool=5 * fs.GIB, drafter=0, gdn_state=10,
+                               graphs_attributable=False)
+    summary["profiles"]["spark-lora-full"] = {"ready_s": 241.6, "footprint": beside.to_dict()}
     text = figures.summary_markdown(summary)
     assert "4100 GB/s" in text and "| single-full | 300.0 | 68605 / 68605 / 68605 | 23.00 | True |" in text
+    assert f"| {beside.weights / fs.GIB:.2f} | 5.00 | - | {beside.residual / fs.GIB:.2f} |" in text
     assert "12.5 (1.00)" in text and "long-full: failed" in text
     assert "| no: 2 other GPU processes |" in text
 
