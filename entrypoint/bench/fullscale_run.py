@@ -233,9 +233,9 @@ def run(root: Path, *, budget_s: float, size: str = "full", sizes: str = "quick"
                               "servers": {s.name: s.status for s in read_state(root, served, skip_prep).servers}}
     directory = out if out is not None and out.suffix != ".json" else None
     report = (directory / "fullscale.json") if directory else (out or root / "fullscale.json")
-    result["report"] = fs.step_report(root, report, served)
-    if directory is not None:
+    if directory is not None:  # the logs first: they come back even where the report fails
         result["logs"] = str(pack_logs(root, directory / "logs.tar.xz"))
+    result["report"] = fs.step_report(root, report, served)
     return result
 
 
