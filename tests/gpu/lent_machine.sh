@@ -5,7 +5,8 @@
 #   tests/gpu/pack_site.sh /tmp/payload .device-payload  # site_00..site_03: one xz'd site, 4 calls
 #   pip download --python-version 3.12 --only-binary=:all: -d .whl pytest pytest-timeout tomli-w py-spy
 # and, optionally, FlashInfer's prebuilt modules brought back from a lease (the same FlashInfer
-# and arch only): .device-payload/flashinfer-aot-sm90.tar.xz, carried with the last site part.
+# and arch only): .device-payload/flashinfer-aot-sm90.tar.xz, carried in a call after the last
+# site part (with .whl: the last part, it and the checkout together pass the 64 MiB a call carries).
 # (the parts of gpu-payload.sh staged as they are work too: `install` takes either form)
 # Then, one call per part (each carries .device-payload/part_NN):
 #   tests/gpu/lent_machine.sh stage          copy this call's parts and wheels to /tmp
@@ -90,7 +91,8 @@ case "${1:-}" in
     # A `spark-lora` copy needs the adapter too (CPU and disk as requantize, other files).
     $q requantize --root "$root" | tail -3 &
     requantizer=$!
-    if [[ ",$served," == *,spark-lora* ]]; then $q adapter --root "$root" | tail -3; fi
+    # A failed step is reported and left to `run`, which tries it again and stops saying why.
+    if [[ ",$served," == *,spark-lora* ]]; then $q adapter --root "$root" | tail -3 || echo "adapter failed"; fi
     wait "$requantizer" || echo "requantize failed"
     wait "$builder" || echo "prebuild failed: $root/logs/prebuild.log"
     tail -3 "$root/logs/prebuild.log"
