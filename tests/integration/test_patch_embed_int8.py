@@ -2,10 +2,13 @@
 attention, untied, with an MTP module) with int8 pack-quantized embed_tokens loads
 through the quantized embedding and answers exactly like the same model with that
 embedding dequantized, with and without MTP speculation; stock vLLM 0.28.0 cannot
-load it."""
+load it. The patched engines run one after another in one child (one import of vLLM), beside
+the stock one in another."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,11 +19,11 @@ from tests.support.vllm_views import last_json_line, run_python, vllm_views  # n
 pytestmark = pytest.mark.integration
 
 RUN = r"""
-import json, sys
+import gc, json, sys, traceback
 from vllm import LLM, SamplingParams
 
 
-def main(path, mtp):
+def answer(path, mtp):
     extra = {}
     if mtp:
         # Hybrid + speculation + prefix caching does not run on CPU (CI-NOTES.md).
@@ -34,19 +37,35 @@ def main(path, mtp):
         {"prompt_token_ids": [(i * 37 + j * 11) % 1000 + 3 for j in range(12 + 9 * i)]}
         for i in range(4)
     ]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, detokenize=False, logprobs=1))
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, detokenize=False, logprobs=1),
+                           use_tqdm=False)
     method = llm.apply_model(lambda model: type(model.model.embed_tokens.quant_method).__name__)
     drafts = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
-    print(json.dumps({
+    result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "logprobs": [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs],
         "embed_method": method[0],
         "drafts": drafts,
-    }))
+    }
+    del llm
+    gc.collect()
+    return result
+
+
+def main(runs):
+    # One engine after another in this process (one import of vLLM); a run that raises is
+    # recorded with its traceback and the next one still runs.
+    results = {}
+    for name, path, mtp in runs:
+        try:
+            results[name] = answer(path, mtp)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()[-6000:]}
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] == "mtp")
+    main(json.loads(sys.argv[1]))
 """
 
 
@@ -56,35 +75,41 @@ def tiny(tmp_path_factory):
     return int8_embed_pair(tmp_path_factory.mktemp("tiny-hybrid"))
 
 
-def serve_and_answer(vllm_views, view: str, model_dir, tmp_path, mtp: bool = False) -> dict:
-    tmp_path.mkdir(parents=True, exist_ok=True)
+def in_view(vllm_views, view: str, runs: list[tuple[str, str, bool]], tmp_path) -> subprocess.CompletedProcess:
+    """``RUN`` on ``runs`` ([name, model dir, mtp] each) in a child whose vLLM is ``view``."""
     script = tmp_path / "run_tiny.py"
-    script.write_text(RUN)
-    argv = ["run", str(model_dir), "mtp" if mtp else "-"]
+    argv = ["run", json.dumps(runs)]
     code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path({str(script)!r}, run_name='__main__')"
     # In-process engine: the lambda given to apply_model needs no pickling.
-    done = run_python(
-        code, vllm_views[view], timeout=1200, VLLM_ENABLE_V1_MULTIPROCESSING="0"
-    )
-    return {"done": done, "result": last_json_line(done) if '{"tokens"' in done.stdout else None}
+    return run_python(code, vllm_views[view], timeout=1200, VLLM_ENABLE_V1_MULTIPROCESSING="0")
 
 
-def both(vllm_views, tiny, tmp_path, mtp: bool = False) -> tuple[dict, dict]:
-    """The int8 checkpoint and its dequantized twin on the patched engine, side by side (two
-    engines of one thread each: on a 2-core machine they take the time of one)."""
+@pytest.fixture(scope="module")
+def answers(vllm_views, tiny, tmp_path_factory) -> dict[str, dict]:
+    """The patched engine on the int8 checkpoint and its dequantized twin, each with and without
+    MTP, in one child; beside it the stock engine on the int8 checkpoint (two children of one
+    thread each: on a 2-core machine they take about the time of one)."""
+    tmp_path = tmp_path_factory.mktemp("embed-int8")
+    (tmp_path / "run_tiny.py").write_text(RUN)
+    patched = [(f"{kind}{suffix}", str(tiny[kind]), mtp)
+               for suffix, mtp in (("", False), ("-mtp", True)) for kind in ("int8", "dequantized")]
+    views = {"patched": patched, "stock": [("stock", str(tiny["int8"]), False)]}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        quantized, reference = pool.map(
-            lambda kind: serve_and_answer(vllm_views, "patched", tiny[kind], tmp_path / kind, mtp=mtp),
-            ("int8", "dequantized"),
-        )
-    return quantized, reference
+        done = dict(zip(views, pool.map(lambda view: in_view(vllm_views, view, views[view], tmp_path), views)))
+    results = {}
+    for view, child in done.items():
+        assert child.returncode == 0, child.stderr[-3000:]
+        results.update(last_json_line(child))
+    return results
 
 
-def test_int8_embed_tokens_answer_like_the_dequantized_model(vllm_views, tiny, tmp_path):
-    quantized, reference = both(vllm_views, tiny, tmp_path)
-    assert quantized["result"] is not None, quantized["done"].stderr[-3000:]
-    assert reference["result"] is not None, reference["done"].stderr[-3000:]
-    ours, theirs = quantized["result"], reference["result"]
+def answered(answers: dict, name: str) -> dict:
+    assert "error" not in answers[name], f"{name}: {answers[name].get('error')}"
+    return answers[name]
+
+
+def test_int8_embed_tokens_answer_like_the_dequantized_model(answers):
+    ours, theirs = answered(answers, "int8"), answered(answers, "dequantized")
     assert ours["embed_method"] == "CompressedTensorsEmbeddingWNA16Int"
     assert theirs["embed_method"] == "UnquantizedEmbeddingMethod"
     assert ours["tokens"] == theirs["tokens"]
@@ -92,18 +117,16 @@ def test_int8_embed_tokens_answer_like_the_dequantized_model(vllm_views, tiny, t
         assert mine == pytest.approx(other, abs=1e-4)
 
 
-def test_mtp_module_loads_int8_embed_tokens_and_drafts(vllm_views, tiny, tmp_path):
+def test_mtp_module_loads_int8_embed_tokens_and_drafts(answers):
     """The MTP module of the same checkpoint loads the int8 embedding too (it reads
     model.embed_tokens.weight_packed/...), drafts, and greedy output is still the
     dequantized model's."""
-    quantized, reference = both(vllm_views, tiny, tmp_path, mtp=True)
-    assert quantized["result"] is not None, quantized["done"].stderr[-3000:]
-    assert reference["result"] is not None, reference["done"].stderr[-3000:]
-    assert quantized["result"]["drafts"] > 0
-    assert quantized["result"]["tokens"] == reference["result"]["tokens"]
+    quantized, reference = answered(answers, "int8-mtp"), answered(answers, "dequantized-mtp")
+    assert quantized["embed_method"] == "CompressedTensorsEmbeddingWNA16Int"
+    assert quantized["drafts"] > 0
+    assert quantized["tokens"] == reference["tokens"]
 
 
-def test_stock_vllm_cannot_load_int8_embed_tokens(vllm_views, tiny, tmp_path):
-    run = serve_and_answer(vllm_views, "stock", tiny["int8"], tmp_path)
-    assert run["result"] is None
-    assert "embed_tokens.weight_packed" in run["done"].stdout + run["done"].stderr
+def test_stock_vllm_cannot_load_int8_embed_tokens(answers):
+    assert set(answers["stock"]) == {"error"}
+    assert "embed_tokens.weight_packed" in answers["stock"]["error"]

