@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.vllm_views import vllm_views  # noqa: F401 (the fixture: one pair of views for the session)
+
 REPO = Path(__file__).resolve().parent.parent
 QWEN38 = [sys.executable, "-m", "entrypoint.cli"]
 
@@ -124,6 +126,9 @@ def session_cache() -> Path:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
+    from tests.support.warm_python import stop_all
+
+    stop_all()
     for directory in _SESSION_CACHE:
         shutil.rmtree(directory, ignore_errors=True)
 

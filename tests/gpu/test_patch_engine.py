@@ -16,7 +16,7 @@ import pytest
 from tests.support.plans import seed_plans  # noqa: F401
 from prepare.generate import int8_embed_pair
 from tests.gpu.conftest import record
-from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
+from tests.support.vllm_views import last_json_line, run_python
 
 pytestmark = pytest.mark.gpu
 

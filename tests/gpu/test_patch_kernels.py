@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
+from tests.support.vllm_views import last_json_line, run_python
 
 pytestmark = pytest.mark.gpu
 

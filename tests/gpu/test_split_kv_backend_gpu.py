@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 
 from tests.gpu.test_patch_engine import engine_script, run_engine
-from tests.support.vllm_views import vllm_views  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 

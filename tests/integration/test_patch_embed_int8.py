@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from prepare.generate import int8_embed_pair
-from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
+from tests.support.vllm_views import last_json_line, run_python
 
 pytestmark = pytest.mark.integration
 

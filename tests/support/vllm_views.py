@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.warm_python import forking_is_safe, warm_python
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TORCHVISION_STANDIN = REPO_ROOT / "docker" / "cpu" / "torchvision-standin"  # the one the CPU setup installs
 
@@ -76,7 +78,11 @@ def child_env(view: Path | None, **extra: str) -> dict[str, str]:
 
 
 def run_python(code: str, view: Path | None, timeout: int = 900, **extra: str) -> subprocess.CompletedProcess:
-    """Run ``code`` in a child Python whose ``vllm`` is the given view."""
+    """Run ``code`` in a child Python whose ``vllm`` is the given view (``None``: the installed
+    one): a fork of the warm Python for that view and environment (`tests.support.warm_python`)
+    where forking is safe, else a new Python."""
+    if forking_is_safe():
+        return warm_python(child_env(view, **extra), REPO_ROOT).run(code, timeout)
     return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.support.lookup_rule import load_lookup_rule
-from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
+from tests.support.vllm_views import last_json_line, run_python
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_views import json_in_views, real_shapes_as_cuda_prelude, vllm_views  # noqa: F401
+from tests.support.vllm_views import json_in_views, real_shapes_as_cuda_prelude
 
 pytestmark = pytest.mark.slow  # starts vLLM in a child process
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_views import json_in_views, vllm_views  # noqa: F401
+from tests.support.vllm_views import json_in_views
 
 pytestmark = pytest.mark.slow  # starts vLLM in a child process
 

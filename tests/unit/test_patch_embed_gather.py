@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_views import last_json_line, run_python, vllm_views  # noqa: F401
+from tests.support.vllm_views import last_json_line, run_python
 
 pytestmark = pytest.mark.slow  # starts vLLM in a child process
 

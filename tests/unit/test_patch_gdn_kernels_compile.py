@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests.support.vllm_views import REPO_ROOT, vllm_views  # noqa: F401
+from tests.support.vllm_views import REPO_ROOT
 
 KERNELS = {
     "fused_recurrent.py": "fused_recurrent_gated_delta_rule_fwd_kernel",

@@ -23,12 +23,7 @@ import pytest
 import torch
 
 from tests.support.lookup_kernel import LOOKUP_KERNEL_FILE, REPO, expected_fill, load_lookup_module
-from tests.support.vllm_views import (  # noqa: F401 (vllm_views is a fixture)
-    last_json_line,
-    real_shapes_as_cuda_prelude,
-    run_python,
-    vllm_views,
-)
+from tests.support.vllm_views import last_json_line, real_shapes_as_cuda_prelude, run_python
 
 PATCH = REPO / "patches" / "0072-dflash2-lookup-drafting-v2-runner.patch"
 K, DRAFTER = 15, 7  # `single` with LOOKUP=true: VERIFY_BLOCK 16 = 1 + 7 + 8

@@ -12,13 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.vllm_views import (  # noqa: F401 (vllm_views is a fixture)
-    REPO_ROOT,
-    last_json_line,
-    real_shapes_as_cuda_prelude,
-    run_python,
-    vllm_views,
-)
+from tests.support.vllm_views import REPO_ROOT, last_json_line, real_shapes_as_cuda_prelude, run_python
 
 pytestmark = pytest.mark.slow  # starts vLLM in child processes
 

@@ -8,16 +8,12 @@ dispatcher rules. Full sizes run in tests/gpu/test_split_kv_gpu.py.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from tests.split_kv_support import (
-    REPO,
     Case,
     compare,
     gather_kv,
@@ -29,6 +25,7 @@ from tests.split_kv_support import (
     run_case,
     small_cases,
 )
+from tests.support.vllm_views import run_python
 
 
 @pytest.fixture(autouse=True)
@@ -357,9 +354,7 @@ print(json.dumps({f"{d}/{l}": cross_check(d, l) for d in ("auto", "int8_per_toke
 
 @pytest.fixture(scope="module")
 def vllm_cross_check() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(VLLM_CROSS_CHECK)], env=env, capture_output=True,
-                          text=True, timeout=900)
+    done = run_python(textwrap.dedent(VLLM_CROSS_CHECK), None, timeout=900, TRITON_INTERPRET="1")
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
