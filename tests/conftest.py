@@ -125,6 +125,14 @@ def session_cache() -> Path:
     return _SESSION_CACHE[0]
 
 
+def session_vllm_cache() -> Path:
+    """The session's vLLM cache (the servers' CACHE_DIR/vllm), for engine children a test starts
+    itself (tests/support/vllm_env.py)."""
+    path = session_cache() / "vllm"
+    path.mkdir(exist_ok=True)
+    return path
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     from tests.support.warm_python import stop_all
 

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from prepare.directions import read_directions
 from prepare.manifest import MANIFEST_NAME
+from tests.conftest import session_vllm_cache
 from tests.support.lora_probe import PROMPTS
 from tests.support.vllm_env import vllm_child_env
 
@@ -80,7 +81,7 @@ def observed(tmp_path_factory, tiny_root) -> dict[str, dict]:
     out = work / "observed.json"
     done = subprocess.run(
         [sys.executable, "-m", "tests.support.lora_probe", "--runs", str(work / "runs.json"), str(out)],
-        cwd=REPO, capture_output=True, text=True, env=vllm_child_env(work / "vllm-cache"), timeout=1500,
+        cwd=REPO, capture_output=True, text=True, env=vllm_child_env(session_vllm_cache()), timeout=1500,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     by_run = json.loads(out.read_text())

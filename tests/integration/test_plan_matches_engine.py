@@ -93,7 +93,7 @@ def test_a_request_the_plan_says_runs_finishes_and_one_past_it_stalls_the_engine
     import subprocess
     import sys
 
-    from tests.conftest import REPO, clean_env
+    from tests.conftest import REPO, clean_env, session_vllm_cache
     from tests.support.vllm_env import vllm_child_env
 
     pool, max_len = 19 * 327_680, 8192
@@ -108,7 +108,7 @@ def test_a_request_the_plan_says_runs_finishes_and_one_past_it_stalls_the_engine
     fits = serving["max_model_len_that_fits"]
     assert fits == 7680 and "MAX_MODEL_LEN" in done.stderr and "7,680" in done.stderr
     ran = subprocess.run([sys.executable, "-c", RUNS, str(tiny_root / "tiny" / "target"), str(pool), str(max_len),
-                          str(fits)], env={**vllm_child_env(tmp_path / "vllm"), "PYTHONPATH": str(REPO)},
+                          str(fits)], env={**vllm_child_env(session_vllm_cache()), "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=600)
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-4000:]
     result = json.loads(ran.stdout.strip().splitlines()[-1])

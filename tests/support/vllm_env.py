@@ -2,8 +2,11 @@
 
 `qwen38 serve --profile cpu` (tests/conftest.py) serves what a profile renders; the adapter's
 end-to-end test also runs engines no profile describes (the base without LoRA, a projected
-base), offline in a child (tests/support/lora_probe.py), with its own vLLM cache and the
-engine in-process, as profiles/cpu.toml runs it.
+base), offline in a child (tests/support/lora_probe.py), with the engine in-process, as
+profiles/cpu.toml runs it. Its vLLM cache is best the session's
+(`tests.conftest.session_vllm_cache`): the model information the servers' planner left there
+spares the child vLLM's inspection of the model class in a Python of its own (~8 s of one
+core); every entry is keyed by what it depends on.
 """
 
 from __future__ import annotations
