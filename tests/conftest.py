@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.session_cache import SHARED_CACHE_PARTS, remove_session_cache, session_cache
 from tests.support.vllm_views import vllm_views  # noqa: F401 (the fixture: one pair of views for the session)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,34 +110,11 @@ class Server:
         return json.loads((self.cache_dir / "run" / f"{self.profile}.status.json").read_text())
 
 
-_SESSION_CACHE: list[Path] = []
-# What the session's servers share of a CACHE_DIR: plans, and vLLM's per-engine caches, where
-# the planner leaves the model information the engine would otherwise inspect in a second
-# Python (entries of both are keyed by what they depend on and written atomically).
-SHARED_CACHE_PARTS = ("plan", "vllm")
-
-
-def session_cache() -> Path:
-    """The shared parts of the session's server caches (see `SHARED_CACHE_PARTS`)."""
-    if not _SESSION_CACHE:
-        _SESSION_CACHE.append(Path(tempfile.mkdtemp(prefix="qwen38-test-cache-")))
-    return _SESSION_CACHE[0]
-
-
-def session_vllm_cache() -> Path:
-    """The session's vLLM cache (the servers' CACHE_DIR/vllm), for engine children a test starts
-    itself (tests/support/vllm_env.py)."""
-    path = session_cache() / "vllm"
-    path.mkdir(exist_ok=True)
-    return path
-
-
 def pytest_sessionfinish(session, exitstatus) -> None:
     from tests.support.warm_python import stop_all
 
     stop_all()
-    for directory in _SESSION_CACHE:
-        shutil.rmtree(directory, ignore_errors=True)
+    remove_session_cache()
 
 
 def launch_server(

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from prepare.directions import read_directions
 from prepare.manifest import MANIFEST_NAME
-from tests.conftest import session_vllm_cache
+from tests.support.session_cache import session_vllm_cache
 from tests.support.lora_probe import PROMPTS
 from tests.support.vllm_env import vllm_child_env
 

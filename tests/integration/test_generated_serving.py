@@ -18,6 +18,7 @@ import pytest
 
 from prepare.generate import generate
 from tests.support.cpu_kernels import has_vllm_cpu_op, skip_without_vllm_cpu_op
+from tests.support.session_cache import session_vllm_cache
 from tests.support.vllm_views import child_pythonpath
 
 pytestmark = pytest.mark.integration
@@ -58,7 +59,7 @@ def answers(tmp_path_factory) -> dict[str, dict]:
     script = root / "run.py"
     script.write_text(RUN)
     models = [str(root / model) for model in MODELS if servable(model)]
-    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "VLLM_CACHE_ROOT": str(session_vllm_cache())}
     done = subprocess.run([sys.executable, str(script), *models], capture_output=True, text=True, env=env,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

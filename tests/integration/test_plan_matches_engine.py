@@ -93,7 +93,8 @@ def test_a_request_the_plan_says_runs_finishes_and_one_past_it_stalls_the_engine
     import subprocess
     import sys
 
-    from tests.conftest import REPO, clean_env, session_vllm_cache
+    from tests.conftest import REPO, clean_env
+    from tests.support.session_cache import session_vllm_cache
     from tests.support.vllm_env import vllm_child_env
 
     pool, max_len = 19 * 327_680, 8192

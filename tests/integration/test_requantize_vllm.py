@@ -39,6 +39,7 @@ from prepare.generate import generate_model
 from prepare.int8_pack import dequantize_rows
 from prepare.requantize import requantize_checkpoint
 from tests.support.cpu_kernels import has_vllm_cpu_op, skip_without_vllm_cpu_op
+from tests.support.session_cache import session_vllm_cache
 from tests.support.vllm_views import child_pythonpath
 
 pytestmark = pytest.mark.integration
@@ -52,7 +53,8 @@ def _probe_command(*args: str) -> list[str]:
 
 
 def _probe_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": child_pythonpath(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return {**os.environ, "PYTHONPATH": child_pythonpath(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CACHE_ROOT": str(session_vllm_cache())}
 
 
 def _probe_result(proc: subprocess.CompletedProcess) -> dict:

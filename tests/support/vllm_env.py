@@ -4,7 +4,7 @@
 end-to-end test also runs engines no profile describes (the base without LoRA, a projected
 base), offline in a child (tests/support/lora_probe.py), with the engine in-process, as
 profiles/cpu.toml runs it. Its vLLM cache is best the session's
-(`tests.conftest.session_vllm_cache`): the model information the servers' planner left there
+(`tests.support.session_cache.session_vllm_cache`): the model information the servers' planner left there
 spares the child vLLM's inspection of the model class in a Python of its own (~8 s of one
 core); every entry is keyed by what it depends on.
 """

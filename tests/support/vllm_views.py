@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.session_cache import session_vllm_cache
 from tests.support.warm_python import forking_is_safe, warm_python
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -72,6 +73,7 @@ def _no_bytecode_writes(env: dict[str, str]) -> dict[str, str]:
 def child_env(view: Path | None, **extra: str) -> dict[str, str]:
     env = _no_bytecode_writes(dict(os.environ))
     env["PYTHONPATH"] = child_pythonpath(*([view] if view else []))
+    env["VLLM_CACHE_ROOT"] = str(session_vllm_cache())
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.update(extra)
     return env
