@@ -128,15 +128,15 @@ def test_the_planner_prices_the_wider_lookup_block_on_single(tmp_path, planner_p
     the 16 lookahead slots and async scheduling's extra GDN state block per group)."""
     from entrypoint.plan import plan_engines
 
-    off, on = plan_engines([_inputs("single", tmp_path), _inputs("single", tmp_path, lookup=True)], compare=False)
+    off, on, fitted, admitted = plan_engines(  # one planner process for the four
+        [_inputs("single", tmp_path), _inputs("single", tmp_path, lookup=True),
+         _inputs("single", tmp_path, lookup=True, max_model_len=55_184),
+         _inputs("single", tmp_path, lookup=True, max_model_len=57_120)], compare=False)
     assert off.fits and off.pool_tokens == 68_605
     assert not on.fits and on.pool_tokens == 59_486 and on.serving.max_model_len_that_fits == 55_184
     assert on.serving.state_bytes_per_request == 6 * 17 * on.serving.bytes_per_block
     assert on.serving.slots_resident == 3 < off.serving.slots_resident == 6
     assert on.serving.stall is None  # vLLM itself refuses 65,536: the usual refusal
-    (fitted, admitted) = plan_engines(
-        [_inputs("single", tmp_path, lookup=True, max_model_len=55_184),
-         _inputs("single", tmp_path, lookup=True, max_model_len=57_120)], compare=False)
     assert fitted.fits and fitted.serving.slots_resident_with_max_context == 1
     assert fitted.serving.blocks_per_request_at_peak <= fitted.serving.num_blocks
     assert not admitted.fits and "would preempt itself and never be admitted again" in admitted.serving.stall
