@@ -179,11 +179,6 @@ def wait_ready(server: Server, timeout: float = 600) -> Server:
     return server
 
 
-def start_cpu_server(tmp: Path, models: Path, key_file: Path, **settings: str) -> Server:
-    """`qwen38 serve --profile cpu` in its own process group; waits for the gate's verdict."""
-    return wait_ready(launch_server(tmp, models, key_file, "cpu", **settings))
-
-
 def spec_decode_delta(server: Server, body: dict) -> dict[str, float]:
     """The /metrics counters (entrypoint.bench.stats.COUNTERS: drafts, draft_tokens,
     accepted_tokens, ...) moved by one /v1/completions request."""

@@ -10,8 +10,9 @@ What a new user could do wrong or run into, each kept fixed here:
 - a reverted or an edited patched file; a corrupted model, its repair, a repair killed
   half-way; a garbage ``.env``.
 
-The stop tests' servers run one after another in one cache directory seeded from the shared
-server's, so none of them plans or compiles from scratch.
+The stop tests' servers start side by side, each with the plans and vLLM caches of the shared
+server, so none of them plans or compiles from scratch; the restart after kill -9 runs in the
+killed server's own cache directory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -34,7 +36,16 @@ from entrypoint.bench.shutdown import stop_mid_stream
 from entrypoint.drain import SHUTDOWN_MESSAGE
 from entrypoint.lifecycle import engine_group, process_alive, processes_of_instance, read_record, record_path
 from entrypoint.profiles import SHUTDOWN_MARGIN_S
-from tests.conftest import QWEN38, clean_env, free_port, launch_server, read_verdict, run_cli, wait_ready
+from tests.conftest import (
+    QWEN38,
+    clean_env,
+    free_port,
+    launch_server,
+    read_verdict,
+    run_cli,
+    stop_server,
+    wait_ready,
+)
 from tests.support.routes import concrete, logged_routes
 from tests.support.vllm_views import env_with_vllm_view, view_without
 
@@ -147,20 +158,24 @@ def test_the_gate_and_the_healthcheck_refuse_a_server_started_by_another_instanc
 # ---- stopping: SIGTERM mid-stream, kill -9, restart -------------------------------------------
 
 
+# The stop tests' servers: settings over the `cpu` profile's.
+STOP_SERVERS = {"sigterm": {}, "drain": {"SHUTDOWN_TIMEOUT": "4"}, "kill": {}}
+
+
 @pytest.fixture(scope="module")
-def stop_cache(tmp_path_factory, cpu_server) -> Path:
-    """One CACHE_DIR for the stop tests' servers, which run one after another, seeded with the
-    shared server's plan and compile caches (same profile and settings): no start here is cold."""
-    cache = tmp_path_factory.mktemp("stop-cache")
-    for name in ("plan", "vllm"):
-        if (cpu_server.cache_dir / name).is_dir():
-            shutil.copytree(cpu_server.cache_dir / name, cache / name)
-    return cache
-
-
-def _serve(tmp_path, tiny_root, api_key_file, stop_cache, **settings):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    return wait_ready(launch_server(tmp_path, tiny_root, api_key_file, cache_dir=stop_cache, **settings))
+def stop_servers(tmp_path_factory, tiny_root, api_key_file, cpu_server) -> Iterator[dict]:
+    """The stop tests' servers, launched side by side when the first stop test runs (their starts,
+    mostly Python importing vLLM on one core each, overlap instead of queueing) and all gated
+    before any test stops one, so no stop is timed beside a starting server. Each has a
+    CACHE_DIR of its own whose plans and vLLM caches are the session's, where the shared server
+    (same profile and settings) left them: no start here is cold."""
+    launched = {name: launch_server(tmp_path_factory.mktemp(f"stop-{name}"), tiny_root, api_key_file, **settings)
+                for name, settings in STOP_SERVERS.items()}
+    try:
+        yield {name: wait_ready(server) for name, server in launched.items()}
+    finally:
+        for server in launched.values():
+            stop_server(server)  # nothing where its test stopped it
 
 
 def _kill(server) -> None:
@@ -169,10 +184,8 @@ def _kill(server) -> None:
         server.process.wait()
 
 
-def test_sigterm_mid_stream_ends_every_stream_with_a_clear_error_and_exits_within_the_bound(
-    tmp_path, tiny_root, api_key_file, stop_cache
-):
-    server = _serve(tmp_path, tiny_root, api_key_file, stop_cache)  # cpu: shutdown_timeout 0, abort
+def test_sigterm_mid_stream_ends_every_stream_with_a_clear_error_and_exits_within_the_bound(stop_servers):
+    server = stop_servers["sigterm"]  # cpu: shutdown_timeout 0, abort
     instance, engine = server.status()["instance"], _engine_processes(server)
     try:
         result = stop_mid_stream(server.process, server.base_url, server.api_key, timeout=120)
@@ -186,15 +199,13 @@ def test_sigterm_mid_stream_ends_every_stream_with_a_clear_error_and_exits_withi
     assert result["clients"][1]["detail"].startswith("anthropic.APIStatusError")
     assert "503" in result["late_request"] or "Connection error" in result["late_request"], result["late_request"]
     assert _gone(instance, 5, engine) == []
-    status = json.loads((stop_cache / "run" / "cpu.status.json").read_text())
+    status = json.loads((server.cache_dir / "run" / "cpu.status.json").read_text())
     assert status["ready"] is False and status["error"] == "stopped (SIGTERM)"
 
 
-def test_sigterm_with_a_drain_lets_a_short_answer_finish_and_ends_long_ones_at_the_drain(
-    tmp_path, tiny_root, api_key_file, stop_cache
-):
-    drain = 4
-    server = _serve(tmp_path, tiny_root, api_key_file, stop_cache, SHUTDOWN_TIMEOUT=str(drain))
+def test_sigterm_with_a_drain_lets_a_short_answer_finish_and_ends_long_ones_at_the_drain(stop_servers):
+    server = stop_servers["drain"]
+    drain = int(STOP_SERVERS["drain"]["SHUTDOWN_TIMEOUT"])
     instance, engine = server.status()["instance"], _engine_processes(server)
     try:
         result = stop_mid_stream(server.process, server.base_url, server.api_key, short_tokens=24, timeout=120)
@@ -212,9 +223,10 @@ def test_sigterm_with_a_drain_lets_a_short_answer_finish_and_ends_long_ones_at_t
 
 
 def test_kill_9_of_serve_or_of_its_engine_leaves_no_process_and_no_stale_ready(
-    tmp_path, tiny_root, api_key_file, stop_cache
+    tmp_path, tiny_root, api_key_file, stop_servers
 ):
-    first = _serve(tmp_path / "first", tiny_root, api_key_file, stop_cache)
+    first = stop_servers["kill"]
+    cache = first.cache_dir  # the restart below runs in the same CACHE_DIR
     first_instance = first.status()["instance"]
     engine = _engine_processes(first)
     assert len(engine) >= 3  # API server, its resource tracker, engine core (the CPU worker runs in it)
@@ -226,11 +238,11 @@ def test_kill_9_of_serve_or_of_its_engine_leaves_no_process_and_no_stale_ready(
     assert healthcheck.returncode != 0  # the file still says ready: true, the healthcheck does not believe it
 
     (tmp_path / "second").mkdir()
-    second = launch_server(tmp_path / "second", tiny_root, api_key_file, cache_dir=stop_cache)
+    second = launch_server(tmp_path / "second", tiny_root, api_key_file, cache_dir=cache)
     try:
         wait_ready(second)
         assert second.status()["instance"] != first_instance
-        engine = read_record(record_path(stop_cache / "run", "cpu"))
+        engine = read_record(record_path(cache / "run", "cpu"))
         assert engine.supervisor_pid == second.process.pid
         group = _engine_processes(second)
         os.kill(engine.engine_pid, signal.SIGKILL)  # vLLM's API server

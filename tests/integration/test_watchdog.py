@@ -5,19 +5,21 @@ with the tiny drafter (random weights: never accepted, the acceptance warning's 
 and WATCHDOG_ACTION=mark, so one server shows each problem and its recovery. A stall is
 induced by pausing vLLM's engine core (SIGSTOP, always resumed): its API server keeps
 answering /health and /metrics, the silent failure the watchdog is for. The last test
-restarts it (same cache: no new plan or compile) with the default action, `stop`.
+stalls a second server with the same knobs but the default action, `stop` (started beside the
+first, with the session's plans and vLLM caches: no new plan or compile).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from entrypoint.canary import CANARY_TOKENS
 from entrypoint.lifecycle import group_members
-from tests.conftest import launch_server, read_verdict, run_cli, start_cpu_server, stop_server, wait_ready
+from tests.conftest import launch_server, read_verdict, run_cli, stop_server, wait_ready
 from tests.support.engine_pause import StreamingRequest, engine_core_pid, paused
 
 pytestmark = pytest.mark.integration
@@ -32,11 +34,30 @@ KNOBS = {
 }
 
 
+# The module's servers: `watched` shows each problem and its recovery, `stopping` the default
+# action (no canary of its own: it idles until the last test stalls it).
+SERVERS = {
+    "watched": {"WATCHDOG_ACTION": "mark", **KNOBS},
+    "stopping": {k: v for k, v in KNOBS.items() if k != "WATCHDOG_CANARY_INTERVAL"},
+}
+
+
 @pytest.fixture(scope="module")
-def watched(tmp_path_factory, tiny_root, api_key_file):
-    server = start_cpu_server(tmp_path_factory.mktemp("watched"), tiny_root, api_key_file, WATCHDOG_ACTION="mark", **KNOBS)
-    yield server
-    stop_server(server)
+def servers(tmp_path_factory, tiny_root, api_key_file) -> Iterator[dict]:
+    """Both servers, launched side by side (their starts overlap instead of queueing) and gated
+    before the first test."""
+    launched = {name: launch_server(tmp_path_factory.mktemp(name), tiny_root, api_key_file, "cpu", **settings)
+                for name, settings in SERVERS.items()}
+    try:
+        yield {name: wait_ready(server) for name, server in launched.items()}
+    finally:
+        for server in launched.values():
+            stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def watched(servers):
+    return servers["watched"]
 
 
 def _status_until(server, predicate, timeout: float, what: str) -> dict:
@@ -135,10 +156,9 @@ def test_a_bench_request_with_no_answer_within_its_timeout_fails_naming_the_flag
     _status_until(watched, lambda s: s["ready"], 40, "the server healthy again after the pause")
 
 
-def test_by_default_a_stall_stops_the_engine_and_serve_exits_1_saying_why(watched, tiny_root, api_key_file, tmp_path):
-    stop_server(watched)  # one server at a time; this one reuses its plan and compile caches
-    settings = {k: v for k, v in KNOBS.items() if k != "WATCHDOG_CANARY_INTERVAL"}
-    server = wait_ready(launch_server(tmp_path, tiny_root, api_key_file, "cpu", cache_dir=watched.cache_dir, **settings))
+def test_by_default_a_stall_stops_the_engine_and_serve_exits_1_saying_why(servers):
+    stop_server(servers["watched"])  # done with: nothing else runs while this one is timed
+    server = servers["stopping"]
     try:
         engine_pid = json.loads((server.cache_dir / "run" / "cpu.run.json").read_text())["engine_pid"]
         request = StreamingRequest(server, BASE, 400)
