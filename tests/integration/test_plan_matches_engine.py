@@ -4,17 +4,19 @@ own ("GPU KV cache size: N tokens, Maximum concurrency ... X.XXx"). They are the
 prefix caching on and off and speculation on and off. (The CPU build cannot run
 speculation with prefix caching on the hybrid target: every command refuses that alike,
 tests/unit/test_resolve.py.) The session servers cover two cases; the third starts the
-engine only until it has logged its pool."""
+engine only until it has logged its pool, launched when the module starts so that its start
+overlaps the stall test's planning and engine."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 
 from entrypoint.patches import all_present, check_series, find_vllm_dir
 from tests.conftest import run_cli
-from tests.support.kv_pool import pools, serve_until_pool_logged
+from tests.support.kv_pool import PoolLogged, pools
 
 pytestmark = pytest.mark.integration
 
@@ -35,9 +37,14 @@ def test_plan_equals_the_engine_with_speculation_and_without_prefix_caching(cpu_
     _assert_plan_is_the_engines(cpu_spec_server.log.read_text())
 
 
-def test_plan_equals_the_engine_without_prefix_caching_or_speculation(tiny_root, api_key_file, tmp_path):
-    log = serve_until_pool_logged(tmp_path, tiny_root, api_key_file, PREFIX_CACHING="false", SPECULATION="false")
-    _assert_plan_is_the_engines(log)
+@pytest.fixture(scope="module", autouse=True)
+def plain_engine(tmp_path_factory, tiny_root, api_key_file) -> Iterator[PoolLogged]:
+    """The engine without prefix caching or speculation, started with the module (cold: a
+    CACHE_DIR of its own) and read by its test."""
+    started = PoolLogged(tmp_path_factory.mktemp("plain"), tiny_root, api_key_file, PREFIX_CACHING="false",
+                         SPECULATION="false")
+    yield started
+    started.log_when_logged(timeout=0)  # stopped, if its test did not run
 
 
 def test_qwen38_plan_answers_what_serve_planned_from_the_same_cache_entry(cpu_server):
@@ -116,3 +123,8 @@ def test_a_request_the_plan_says_runs_finishes_and_one_past_it_stalls_the_engine
     assert result["blocks"] == 19
     assert result["fits"] == {"finished": True, "tokens": 4}
     assert result["past"]["finished"] is False and result["past"].get("waiting") == 1, result
+
+
+# Last in the module: the tests before it ran while this engine started.
+def test_plan_equals_the_engine_without_prefix_caching_or_speculation(plain_engine):
+    _assert_plan_is_the_engines(plain_engine.log_when_logged())

@@ -52,25 +52,37 @@ def serve_until_pool_logged(
     tmp: Path, models: Path, key_file: Path, profile: str = "cpu", timeout: float = 600, **settings: str
 ) -> str:
     """`qwen38 serve --profile P --no-ready-gate` until the engine logs its KV pool; the log."""
-    log = tmp / "serve.log"
-    env = clean_env(
-        MODELS_DIR=str(models), API_KEY_FILE=str(key_file), PORT=str(free_port()), CACHE_DIR=str(tmp / "cache"),
-        **settings,
-    )  # fmt: skip
-    with open(log, "w") as handle:
-        process = subprocess.Popen(
-            [*QWEN38, "serve", "--profile", profile, "--no-ready-gate"], env=env, cwd=tmp, stdout=handle,
-            stderr=subprocess.STDOUT, start_new_session=True,
+    return PoolLogged(tmp, models, key_file, profile, **settings).log_when_logged(timeout)
+
+
+class PoolLogged:
+    """`serve_until_pool_logged` in two halves: started at once, read (and stopped) when asked,
+    so that other work runs while the engine starts."""
+
+    def __init__(self, tmp: Path, models: Path, key_file: Path, profile: str = "cpu", **settings: str):
+        self.log = tmp / "serve.log"
+        env = clean_env(
+            MODELS_DIR=str(models), API_KEY_FILE=str(key_file), PORT=str(free_port()), CACHE_DIR=str(tmp / "cache"),
+            **settings,
         )  # fmt: skip
-    try:
-        deadline = time.monotonic() + timeout
-        while not ENGINE.search(log.read_text(errors="replace")):
-            if process.poll() is not None or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-    finally:
-        _stop_group(process)
-    return log.read_text(errors="replace")
+        with open(self.log, "w") as handle:
+            self.process = subprocess.Popen(
+                [*QWEN38, "serve", "--profile", profile, "--no-ready-gate"], env=env, cwd=tmp, stdout=handle,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        self.started = time.monotonic()
+
+    def log_when_logged(self, timeout: float = 600) -> str:
+        """Waits (at most ``timeout`` s from the start) for the engine's pool line, stops the
+        engine, returns the log."""
+        try:
+            while not ENGINE.search(self.log.read_text(errors="replace")):
+                if self.process.poll() is not None or time.monotonic() - self.started > timeout:
+                    break
+                time.sleep(1)
+        finally:
+            _stop_group(self.process)
+        return self.log.read_text(errors="replace")
 
 
 def _stop_group(process: subprocess.Popen) -> None:
