@@ -106,23 +106,27 @@ class WarmPython:
     def __init__(self, env: dict[str, str], cwd: Path):
         self.process = subprocess.Popen(
             [sys.executable, "-c", SERVER, *PRELOADED], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, env=env, cwd=cwd, text=True, bufsize=1,
+            stderr=subprocess.DEVNULL, env=env, cwd=cwd, bufsize=0,
         )
         self.lock = threading.Lock()
         self.started = False
+        self.pending = b""  # what was read past the last whole line
 
     def _line(self, deadline: float) -> str:
-        """The warm Python's next line, waiting at most until ``deadline`` (time.monotonic)."""
-        while True:
+        """The warm Python's next line, waiting at most until ``deadline`` (time.monotonic).
+        Read unbuffered, so that a line already read is never left waiting behind select."""
+        while b"\n" not in self.pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
             readable, _, _ = select.select([self.process.stdout], [], [], left)
             if readable:
-                line = self.process.stdout.readline()
-                if not line:
+                chunk = os.read(self.process.stdout.fileno(), 4096)
+                if not chunk:
                     raise RuntimeError(f"the warm Python exited ({self.process.wait()})")
-                return line
+                self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line.decode()
 
     def run(self, code: str, timeout: float) -> subprocess.CompletedProcess:
         """``code`` in a fresh fork; like ``subprocess.run([python, "-c", code], ...)``."""
@@ -133,8 +137,7 @@ class WarmPython:
                     raise RuntimeError("the warm Python did not start")
                 self.started = True
             out, err = Path(work) / "stdout", Path(work) / "stderr"
-            self.process.stdin.write(json.dumps({"code": code, "stdout": str(out), "stderr": str(err)}) + "\n")
-            self.process.stdin.flush()
+            self.process.stdin.write((json.dumps({"code": code, "stdout": str(out), "stderr": str(err)}) + "\n").encode())
             pid = json.loads(self._line(deadline))["pid"]
             try:
                 returncode = json.loads(self._line(deadline))["returncode"]
