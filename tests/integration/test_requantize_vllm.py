@@ -160,16 +160,14 @@ def probed(tiny, tmp_path_factory) -> dict:
     twin, MTP speculation with int8 MTP layers and the target's own scoring of what it
     emitted, and (where the embed patch is delivered) the int8 embed_tokens and its twin.
 
-    Returns {"stock": CompletedProcess, "embed_skip": reason or None, "runs": {name: result},
-    "prepared": {name: checkpoint}}."""
+    Returns {"stock": CompletedProcess, "embed_skip": reason or None, "runs": {name: result}}."""
     work = tmp_path_factory.mktemp("requantized")
     stock_model = requantized(tiny["w4a16"], work / "stock-lm_head", ["lm_head"])
     embed_skip = embed_patch_state()
     runs: list[dict] = []
-    prepared: dict[str, Path] = {}
     for kind in served_kinds():
         base = tiny[kind]
-        prepared[f"lm_head-{kind}"] = lm = requantized(base, work / f"lm_head-{kind}", ["lm_head"])
+        lm = requantized(base, work / f"lm_head-{kind}", ["lm_head"])
         reference = dequantized_copy(lm, base, work / f"lm_head-{kind}-reference", ["lm_head"])
         runs += [{"name": f"lm_head-{kind}", "model": str(lm)},
                  {"name": f"lm_head-{kind}-reference", "model": str(reference)}]
@@ -193,8 +191,7 @@ def probed(tiny, tmp_path_factory) -> dict:
     for name, child in children.items():
         stdout, stderr = child.communicate(timeout=1200)
         done[name] = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
-    return {"stock": done["stock"], "embed_skip": embed_skip, "runs": _probe_result(done["runs"]),
-            "prepared": prepared}
+    return {"stock": done["stock"], "embed_skip": embed_skip, "runs": _probe_result(done["runs"])}
 
 
 def answered(probed: dict, name: str) -> dict:
