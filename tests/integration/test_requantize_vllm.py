@@ -162,12 +162,13 @@ def probed(tiny, tmp_path_factory) -> dict:
 
     Returns {"stock": CompletedProcess, "embed_skip": reason or None, "runs": {name: result}}."""
     work = tmp_path_factory.mktemp("requantized")
-    stock_model = requantized(tiny["w4a16"], work / "stock-lm_head", ["lm_head"])
+    # The int8 lm_head of each kind: the stock build is given the W4A16 one whether or not this
+    # CPU serves W4A16 (it fails at the kernel choice, before any W4A16 op runs).
+    lm_heads = {kind: requantized(tiny[kind], work / f"lm_head-{kind}", ["lm_head"]) for kind in tiny}
     embed_skip = embed_patch_state()
     runs: list[dict] = []
     for kind in served_kinds():
-        base = tiny[kind]
-        lm = requantized(base, work / f"lm_head-{kind}", ["lm_head"])
+        base, lm = tiny[kind], lm_heads[kind]
         reference = dequantized_copy(lm, base, work / f"lm_head-{kind}-reference", ["lm_head"])
         runs += [{"name": f"lm_head-{kind}", "model": str(lm)},
                  {"name": f"lm_head-{kind}-reference", "model": str(reference)}]
@@ -182,7 +183,7 @@ def probed(tiny, tmp_path_factory) -> dict:
                      {"name": f"embed-{kind}-reference", "model": str(reference)}]
     (work / "runs.json").write_text(json.dumps(runs))
     children = {
-        "stock": subprocess.Popen(_probe_command(str(stock_model)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        "stock": subprocess.Popen(_probe_command(str(lm_heads["w4a16"])), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True, env=_probe_env()),
         "runs": subprocess.Popen(_probe_command("--runs", str(work / "runs.json"), "--reference-int8-kernel"),
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_probe_env()),
