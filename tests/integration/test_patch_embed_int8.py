@@ -79,9 +79,11 @@ def in_view(vllm_views, view: str, runs: list[tuple[str, str, bool]], tmp_path) 
     """``RUN`` on ``runs`` ([name, model dir, mtp] each) in a child whose vLLM is ``view``."""
     script = tmp_path / "run_tiny.py"
     argv = ["run", json.dumps(runs)]
-    code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path({str(script)!r}, run_name='__main__')"
-    # In-process engine: the lambda given to apply_model needs no pickling.
-    return run_python(code, vllm_views[view], timeout=1200, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    # In-process engine: the lambda given to apply_model needs no pickling. Set by the script
+    # (vLLM reads it when the engine starts), so the view's plain warm Python runs it.
+    code = (f"import os, runpy, sys; os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'; sys.argv = {argv!r}; "
+            f"runpy.run_path({str(script)!r}, run_name='__main__')")
+    return run_python(code, vllm_views[view], timeout=1200)
 
 
 @pytest.fixture(scope="module")

