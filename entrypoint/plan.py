@@ -18,12 +18,16 @@ request must also fit while it runs, or it would stall the engine
 Answers are kept in ``CACHE_DIR/plan/``, keyed by everything they depend on (the
 resolved engine minus what cannot change the KV cache, the model configs, the patch
 series and the tree's state, the vLLM version and the planner's own code), so a restart
-or a second `qwen38 plan` costs no vLLM import.
+or a second `qwen38 plan` costs no vLLM import; two planners of one engine at once (a head
+and a worker host on one machine sharing CACHE_DIR) ask vLLM once, the second waiting for
+the first's answer.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -33,7 +37,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -374,6 +378,24 @@ def _cache_path(cache_dir: Path, resolved: ResolvedEngine, key: str, variant: Va
     return Path(cache_dir) / "plan" / f"{resolved.profile}-{key[:16]}-{variant}.json"
 
 
+def _lock_path(cache_dir: Path, resolved: ResolvedEngine, key: str) -> Path:
+    return Path(cache_dir) / "plan" / f".{resolved.profile}-{key[:16]}.lock"
+
+
+@contextlib.contextmanager
+def _one_planner_per_key(lock_paths: list[Path]) -> Iterator[None]:
+    """Holds these plans' locks (in one order: no two planners wait on each other). A planner
+    that finds one held waits for the answer being computed and reads it from the cache, so two
+    starts of one engine sharing a CACHE_DIR (a head and a worker host on one machine, a restart
+    racing a `qwen38 plan`) ask vLLM once."""
+    with contextlib.ExitStack() as stack:
+        for path in sorted(set(lock_paths)):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = stack.enter_context(open(path, "a+b"))
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)  # released when the handle closes, or the process dies
+        yield
+
+
 def _read_cached(path: Path) -> Capacity | None:
     try:
         return Capacity.model_validate_json(path.read_text())
@@ -431,23 +453,26 @@ def plan_engines(
     servings = [tree.serving(resolved) for resolved, _ in items]
     wanted = [sorted({s} | ({"patched", "stock"} if compare else set())) for s in servings]
     paths: dict[tuple[int, Variant], Path] = {}
+    locks: list[Path] = []
     if cache_dir is not None:
         for index, (resolved, configs) in enumerate(items):
             key = plan_cache_key(resolved, configs, tree)
             paths.update({(index, v): _cache_path(cache_dir, resolved, key, v) for v in wanted[index]})
-    answers = {slot: found for slot, path in paths.items() if (found := _read_cached(path)) is not None}
-    reused = {i for i in range(len(items)) if all((i, v) in answers for v in wanted[i])}
-    missing: dict[Variant, list[int]] = {}
-    for index, variants in enumerate(wanted):
-        for variant in variants:
-            if (index, variant) not in answers:
-                missing.setdefault(variant, []).append(index)
-    if missing:
-        computed = _compute(items, missing, servings, tree, cache_dir)
-        answers.update(computed)
-        for slot, capacity in computed.items():
-            if slot in paths:
-                atomic_write_text(paths[slot], capacity.model_dump_json(indent=2) + "\n")
+            locks.append(_lock_path(cache_dir, resolved, key))
+    with _one_planner_per_key(locks):
+        answers = {slot: found for slot, path in paths.items() if (found := _read_cached(path)) is not None}
+        reused = {i for i in range(len(items)) if all((i, v) in answers for v in wanted[i])}
+        missing: dict[Variant, list[int]] = {}
+        for index, variants in enumerate(wanted):
+            for variant in variants:
+                if (index, variant) not in answers:
+                    missing.setdefault(variant, []).append(index)
+        if missing:
+            computed = _compute(items, missing, servings, tree, cache_dir)
+            answers.update(computed)
+            for slot, capacity in computed.items():
+                if slot in paths:
+                    atomic_write_text(paths[slot], capacity.model_dump_json(indent=2) + "\n")
     return [
         _assemble(resolved, configs, serving, {v: answers[index, v] for v in wanted[index]}, index in reused)
         for index, ((resolved, configs), serving) in enumerate(zip(items, servings, strict=True))

@@ -323,3 +323,40 @@ def test_a_validation_error_from_vllm_is_passed_on_as_one_line():
     line = _one_line(f"ValidationError: {info.value}")
     assert "\n" not in line and "User-specified max_model_len (10) is greater" in line
     assert "For further information" not in line
+
+
+def test_a_planner_of_an_engine_being_planned_waits_and_reads_that_answer(tiny_root, tmp_path):
+    """Another process holds the engine's plan lock (it is asking vLLM): this planner waits
+    instead of starting vLLM too, and returns the answer the other one leaves in the cache."""
+    import threading
+
+    from entrypoint.plan import Capacity, _cache_path, _lock_path, installed_tree, plan_engines
+
+    resolved, configs = _inputs("cpu", tiny_root)
+    tree = installed_tree()
+    key = plan_cache_key(resolved, configs, tree)
+    cache = tmp_path / "cache"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from entrypoint.plan import _one_planner_per_key\n"
+         f"with _one_planner_per_key([Path({str(_lock_path(cache, resolved, key))!r})]):\n"
+         "    print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        planned = []
+        waiter = threading.Thread(target=lambda: planned.extend(
+            plan_engines([(resolved, configs)], compare=False, cache_dir=cache, tree=tree)))
+        waiter.start()
+        waiter.join(2)
+        assert waiter.is_alive()  # waiting on the lock, not planning
+        answer = Capacity(fits=True, pool_tokens=123_456, max_concurrency=3.5, max_model_len=resolved.max_model_len)
+        _cache_path(cache, resolved, key, tree.serving(resolved)).write_text(answer.model_dump_json())
+        holder.stdin.close()  # the other planner is done
+        waiter.join(30)
+        assert not waiter.is_alive()
+    finally:
+        holder.kill()
+        holder.wait()
+    (plan,) = planned
+    assert plan.reused and plan.pool_tokens == 123_456 and plan.serving == answer
