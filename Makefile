@@ -61,8 +61,23 @@ agent-clients:
 	test -x $(AGENT_CLIENTS_DIR)/venv/bin/python || $(PYTHON) -m venv $(AGENT_CLIENTS_DIR)/venv
 	$(AGENT_CLIENTS_DIR)/venv/bin/python -m pip install -q openai-agents==$(OPENAI_AGENTS_VERSION)
 
+# The suite in two pytest runs: first the tests that start servers and engines, one at a time
+# (they time what they start, and on two cores two of them at once only fight), then the unit
+# tests, most of them one Python on one core, on UNIT_WORKERS workers (pytest-xdist; each file
+# whole on one worker, its module fixtures built once). PYTEST_ARGS go to both runs (-k, -x,
+# --durations=0, ...); a run that selects no test passes. One file: .venv/bin/python -m pytest FILE
+SERVING_TESTS := tests/container tests/gpu tests/integration
+UNIT_WORKERS ?= 2
+UNIT_XDIST = -n $(UNIT_WORKERS) --dist loadfile
 test: setup prometheus
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	@failed=0; selected=0; \
+	for run in "$(SERVING_TESTS)" "tests/unit $(UNIT_XDIST)"; do \
+		echo "+ pytest $$run $(PYTEST_ARGS)"; \
+		$(BIN)/python -m pytest $$run $(PYTEST_ARGS); rc=$$?; \
+		[ $$rc = 5 ] || selected=1; [ $$rc = 0 ] || [ $$rc = 5 ] || failed=$$rc; \
+	done; \
+	[ $$selected = 1 ] || { echo "make test: PYTEST_ARGS selected no test"; exit 5; }; \
+	exit $$failed
 
 # Debian's Prometheus (prometheus + promtool) for the monitoring tests, unpacked into .venv
 # (no service installed or started, no root needed where apt's lists are current); the tests
@@ -79,7 +94,7 @@ $(PROMETHEUS_DIR)/usr/bin/promtool:
 		dpkg-deb -x $$(ls $(PROMETHEUS_DIR)/deb/prometheus_*.deb | head -1) $(PROMETHEUS_DIR) && rm -rf $(PROMETHEUS_DIR)/deb; fi
 
 unit: setup
-	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit $(UNIT_XDIST) $(PYTEST_ARGS)
 
 # compose.yaml, the Dockerfiles, shell scripts and the package locks, without a Docker daemon
 # (part of `make test`; this runs them alone).
