@@ -9,6 +9,8 @@ name, a lock regenerated without re-running `make setup`), naming each differenc
 from __future__ import annotations
 
 import importlib.metadata as md
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -77,9 +79,6 @@ def test_a_reinstall_clears_only_the_packages_own_directories(tmp_path):
 def test_uv_gets_the_sources_pip_is_configured_with(tmp_path):
     """uv reads no pip configuration: the installer hands it what `pip config list` says, each
     key as pip itself would take it ([install] over [global], PIP_* variables over both)."""
-    import subprocess
-    import sys
-
     conf = tmp_path / "pip.conf"
     conf.write_text("[global]\nextra-index-url = file:///mirror/a file:///mirror/b\nfind-links = /global/wheels\n"
                     "cert = /etc/ssl/mine.pem\ntimeout = 60\n[install]\nfind-links = /install/wheels\n")
