@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import importlib.metadata as md
 import os
 import re
@@ -114,10 +115,16 @@ def bootstrap_uv(blocks: dict[str, str]) -> None:
         raise SystemExit(f"install_lock: pip could not install the lock's uv: {' '.join(argv)}")
 
 
-def uv_install(requirements: str, *extra: str, fallback_index: bool = False) -> None:
+@functools.cache
+def _uv_sources() -> tuple[tuple[str, ...], dict[str, str]]:
+    """pip's configured sources as uv options and environment (asked once per run)."""
     listing = subprocess.run([*PIP, "config", "list"], capture_output=True, text=True, check=False).stdout
     sources, cert = pip_sources(listing)
-    env = {**os.environ, **cert}
+    return tuple(sources), {**os.environ, **cert}
+
+
+def uv_install(requirements: str, *extra: str, fallback_index: bool = False) -> None:
+    sources, env = _uv_sources()
     argv = [str(UV), "pip", "install", "-q", "--python", sys.executable, *UV_STRICT, *sources, *extra]
     if _install(argv, requirements, env):
         return
