@@ -103,6 +103,21 @@ def group_members(pgid: int) -> list[int]:
     return found
 
 
+def parallel_workers(engine_pid: int) -> list[int]:
+    """The live tensor-parallel worker processes in the engine's process group: vLLM's
+    multiprocessing executor titles them ``<prefix>::Worker...`` (setproctitle; the prefix is
+    VLLM_PROCESS_NAME_PREFIX, ``VLLM`` by default)."""
+    found = []
+    for pid in group_members(engine_pid):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0]
+        except OSError:
+            continue  # gone
+        if pid != engine_pid and b"::Worker" in title:
+            found.append(pid)
+    return found
+
+
 def processes_with(entry: str) -> list[int]:
     """Live processes other than this one whose environment holds ``entry`` (``NAME=value``)."""
     marker = entry.encode()

@@ -16,7 +16,10 @@ then the watchdog (`entrypoint.watchdog`) in a thread, and waits. It stays the p
   has not exited ``STOP_MARGIN_S`` after the drain, its whole process group is killed. A
   second signal kills it at once.
 - the gate failing, or the watchdog finding a stall or a failed canary (WATCHDOG_ACTION=stop):
-  the same stop, with that reason, and the exit code is 1.
+  the same stop, with that reason, and the exit code is 1. A worker host's gate that saw its
+  head go also has the engine's tensor-parallel workers killed at once: they wait in a
+  collective for a peer that is gone and cannot act on SIGTERM, and vLLM's executor would
+  wait 5 s, then 4 s after a SIGTERM, before it kills them itself.
 - the engine exiting by itself (a crash, kill -9): its process group
   is swept (SIGKILL after ``GROUP_GRACE_S``), the status says why, and the exit code is
   non-zero.
@@ -121,6 +124,7 @@ class Supervisor:
         self.stop_started = 0.0
         self.gate_failed = False
         self.failure: str | None = None  # why the gate or the watchdog stopped the engine
+        self.workers_wedged = False  # the gate says the TP workers wait on a peer that is gone
         self._final = False
         self._status_lock = threading.Lock()
         self._hold: int | None = None  # the write end of a held engine's pipe
@@ -201,7 +205,17 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, STOP_SIGNAL)  # the guard: admit nothing new, end what is open after the drain
             os.kill(self.pid, signal.SIGTERM)  # vLLM: stop the engine
+        if self.workers_wedged:
+            self._kill_parallel_workers()
         signal.setitimer(signal.ITIMER_REAL, self.bound)
+
+    def _kill_parallel_workers(self) -> None:
+        workers = lifecycle.parallel_workers(self.pid)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if workers:
+            say(f"killed the engine's {len(workers)} tensor-parallel worker(s), which wait on a peer that is gone")
 
     def _on_signal(self, signum: int, _frame) -> None:
         if self.gate_failed and self.stop_reason is None:
@@ -233,8 +247,8 @@ class Supervisor:
     def _run_gate(self) -> None:
         assert self.gate is not None
 
-        def fail_closed(reason: str = "the readiness gate failed") -> None:
-            self.gate_failed, self.failure = True, reason
+        def fail_closed(reason: str = "the readiness gate failed", workers_wedged: bool = False) -> None:
+            self.gate_failed, self.failure, self.workers_wedged = True, reason, workers_wedged
             os.kill(os.getpid(), signal.SIGTERM)  # handled on the main thread, like any stop
 
         try:

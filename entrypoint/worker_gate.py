@@ -12,7 +12,8 @@ file (`qwen38 ready --quick` checks the port again: the worker's container healt
 keeps watching. vLLM 0.28.0's headless worker does not notice a head that went away (seen
 here: it idles on after the head's engine has exited), and a head that starts again waits
 for a worker that never rejoins; so once the port stops answering for `LOST_AFTER_S`, the
-gate stops the worker's engine and `qwen38 serve` exits non-zero: compose's
+gate stops the worker's engine (its tensor-parallel workers, stuck in a collective with the
+departed head, killed at once) and `qwen38 serve` exits non-zero: compose's
 ``restart: unless-stopped`` starts it again, and it joins the next head. A head restarts in
 more than that (a container start plus a vLLM import before its rendezvous opens), so the
 worker is gone before the new head waits for it.
@@ -86,7 +87,7 @@ class WorkerGate:
     ) -> int:
         started = process_start_time(engine_pid)
         publish = publish or (lambda report: None)
-        stop = stop or (lambda reason=None: None)
+        stop = stop or (lambda reason=None, workers_wedged=False: None)
 
         def alive() -> bool:
             return is_running(engine_pid, started)
@@ -119,7 +120,7 @@ class WorkerGate:
                     error = f"the head {self.head} stopped answering for {self.lost_after_s:.0f} s"
                     publish(self._report(False, 0.0, error))
                     print(f"qwen38: {error}: stopping this worker, to join the next head", file=sys.stderr, flush=True)
-                    stop(error)
+                    stop(error, workers_wedged=True)  # they wait in a collective with the departed head
                     return 1
             time.sleep(self.poll_s)
         return 0

@@ -99,7 +99,13 @@ def test_a_head_and_a_headless_worker_host_serve_as_one_and_the_worker_follows_i
         assert worker.process.returncode == 1
         status = json.loads((worker.cache_dir / "run" / "cpu-pair.status.json").read_text())
         assert status["ready"] is False and "stopped answering" in status["error"]
-        assert "stopping this worker, to join the next head" in worker.log.read_text()
+        worker_log = worker.log.read_text()
+        assert "stopping this worker, to join the next head" in worker_log
+        # its TP worker, waiting in a collective on the departed head, is killed at once: not
+        # after vLLM's 5 s grace and 4 s SIGTERM wait
+        assert "killed the engine's 1 tensor-parallel worker(s), which wait on a peer that is gone" in worker_log
+        took = float(re.search(r"engine stopped ([\d.]+) s after the head", worker_log).group(1))
+        assert took < 5, worker_log[-3000:]
         stale = run_cli("ready", "--profile", "cpu-pair", "--quick", env=worker.env)
         assert stale.returncode != 0
     finally:

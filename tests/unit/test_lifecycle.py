@@ -194,6 +194,74 @@ def test_a_gate_that_cannot_pass_stops_the_supervised_engine_and_says_why(tmp_pa
     assert not (tmp_path / "cache" / "run" / "cpu.run.json").exists()
 
 
+# A worker host whose head went: the gate stops the engine saying its TP workers are wedged.
+# The engine stands in for vLLM's headless one: on SIGTERM its executor waits for its worker,
+# which (blocked in a collective with the departed head) never acts on SIGTERM.
+WORKER_HOST = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import entrypoint.supervise as supervise
+    from entrypoint import lifecycle
+    from entrypoint.launch import Invocation
+    from entrypoint.profiles import load_profile
+    from entrypoint.settings import Settings
+
+    supervise.STOP_MARGIN_S = 30.0
+    settings = Settings(_env_file=None, cache_dir=Path(sys.argv[1]), port=int(sys.argv[2]))
+    start = supervise.begin_start(load_profile("cpu"), settings)
+    engine = [sys.executable, "-c", sys.argv[3]]
+    invocation = Invocation(engine, {}, {"shutdown-timeout": 0}, Path("unused.yaml"), "k")
+
+    def gate(pid, stop, publish, stopping):
+        deadline = time.monotonic() + 30
+        while not (workers := lifecycle.parallel_workers(pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("workers", *workers, flush=True)
+        stop("the head 10.0.0.1:29501 stopped answering for 6 s", workers_wedged=True)
+        return 1
+
+    sys.exit(supervise.supervise(invocation, start, gate=gate))
+    """
+)
+
+HEADLESS_ENGINE = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    import setproctitle
+    worker = os.fork()
+    if worker == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        setproctitle.setproctitle("VLLM::Worker_TP1")
+        time.sleep(300)
+        os._exit(0)
+
+    def executor_shutdown(*_):
+        os.waitpid(worker, 0)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, executor_shutdown)
+    time.sleep(300)
+    """
+)
+
+
+def test_a_worker_host_whose_head_went_has_its_wedged_tp_workers_killed_at_once(tmp_path):
+    started = time.monotonic()
+    supervisor = subprocess.run(
+        [sys.executable, "-c", WORKER_HOST, str(tmp_path / "cache"), str(free_port()), HEADLESS_ENGINE],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
+    )  # fmt: skip
+    took = time.monotonic() - started
+    assert supervisor.returncode == 1, supervisor.stderr
+    (worker,) = supervisor.stdout.split()[1:]  # the gate found the one titled VLLM::Worker_TP1
+    assert not process_alive(int(worker))
+    assert "killed the engine's 1 tensor-parallel worker(s), which wait on a peer that is gone" in supervisor.stderr
+    assert "did not exit within" not in supervisor.stderr and took < 15, took  # not at the 30 s bound
+    status = json.loads((tmp_path / "cache" / "run" / "cpu.status.json").read_text())
+    assert status["ready"] is False and status["error"] == "stopped (the head 10.0.0.1:29501 stopped answering for 6 s)"
+
+
 def test_when_serve_is_killed_its_reaper_ends_every_process_of_the_instance(tmp_path):
     """What a parent-death signal cannot do: the engine core vLLM spawns (a new interpreter)
     outlives the API server; the reaper, woken by its pipe closing, kills it too. The

@@ -42,13 +42,16 @@ def test_the_gate_records_ready_with_the_head_and_stops_the_worker_when_the_head
         asked.append((address, port))
         return next(replies)
 
-    code = gate(answers).run(engine.pid, stop=stops.append, publish=reports.append)
+    def stop(reason, workers_wedged=False):
+        stops.append((reason, workers_wedged))
+
+    code = gate(answers).run(engine.pid, stop=stop, publish=reports.append)
     assert code == 1 and asked[0] == ("192.168.100.10", 29501)
     first, last = reports
     assert first.ready and first.head == "192.168.100.10:29501" and first.identity == "id"
     assert first.checks == ["head 192.168.100.10:29501 answers (torch.distributed rendezvous of node rank 0)"]
     assert not last.ready and last.error == "the head 192.168.100.10:29501 stopped answering for 0 s"
-    assert stops == [last.error]
+    assert stops == [(last.error, True)]  # its TP workers wait on the departed head: killed at once
 
 
 def test_a_head_that_never_answers_fails_the_worker_closed(engine):
