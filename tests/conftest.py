@@ -191,11 +191,16 @@ def spec_decode_delta(server: Server, body: dict) -> dict[str, float]:
         return metric_delta(before, client.metrics()).counters
 
 
-def stop_server(server: Server) -> None:
-    if server.process.poll() is None:
+def stop_server(*servers: Server) -> None:
+    """SIGTERM to every one still running, then the wait for each: several stop side by side
+    (each waits mostly on its engine's teardown). One still there 90 s on is killed, group and all."""
+    running = [server for server in servers if server.process.poll() is None]
+    for server in running:
         server.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 90
+    for server in running:
         try:
-            server.process.wait(timeout=90)
+            server.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             os.killpg(server.process.pid, signal.SIGKILL)
             server.process.wait()
@@ -232,8 +237,7 @@ class SessionServers:
         return self.ready[name]
 
     def stop(self) -> None:
-        for server in self.launched.values():
-            stop_server(server)
+        stop_server(*self.launched.values())
 
 
 @pytest.fixture(scope="session", autouse=True)

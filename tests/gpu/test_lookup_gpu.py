@@ -77,8 +77,7 @@ def servers(tmp_path_factory, tiny_root, api_key_file):
             record(f"lookup.{mode}.ready_s", round(server.seconds_to_ready, 1))
         yield ready
     finally:
-        for server in started.values():
-            stop_server(server)
+        stop_server(*started.values())
 
 
 def _copy_prompt(server) -> tuple[list[int], list[int]]:

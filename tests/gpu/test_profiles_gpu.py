@@ -85,8 +85,7 @@ class Tier:
         return server
 
     def stop_all(self):
-        for server in self.servers.values():
-            stop_server(server)
+        stop_server(*self.servers.values())
 
 
 # The tier made in this session, if any: the eager pool checks stop its servers first, and

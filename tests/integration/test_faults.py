@@ -174,8 +174,7 @@ def stop_servers(tmp_path_factory, tiny_root, api_key_file, cpu_server) -> Itera
     try:
         yield {name: wait_ready(server) for name, server in launched.items()}
     finally:
-        for server in launched.values():
-            stop_server(server)  # nothing where its test stopped it
+        stop_server(*launched.values())  # nothing where its test stopped it
 
 
 def _kill(server) -> None:

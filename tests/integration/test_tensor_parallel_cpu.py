@@ -109,5 +109,4 @@ def test_a_head_and_a_headless_worker_host_serve_as_one_and_the_worker_follows_i
         stale = run_cli("ready", "--profile", "cpu-pair", "--quick", env=worker.env)
         assert stale.returncode != 0
     finally:
-        stop_server(head)
-        stop_server(worker)
+        stop_server(head, worker)

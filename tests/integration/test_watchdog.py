@@ -51,8 +51,7 @@ def servers(tmp_path_factory, tiny_root, api_key_file) -> Iterator[dict]:
     try:
         yield {name: wait_ready(server) for name, server in launched.items()}
     finally:
-        for server in launched.values():
-            stop_server(server)
+        stop_server(*launched.values())
 
 
 @pytest.fixture(scope="module")
