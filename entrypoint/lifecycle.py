@@ -103,19 +103,23 @@ def group_members(pgid: int) -> list[int]:
     return found
 
 
+def _cmdline(pid: int) -> bytes | None:
+    """The process's command line as /proc has it (NUL-separated; a setproctitle title where
+    one was set), or None where it is gone or another user's."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+
+
 def parallel_workers(engine_pid: int) -> list[int]:
     """The live tensor-parallel worker processes in the engine's process group: vLLM's
     multiprocessing executor titles them ``<prefix>::Worker...`` (setproctitle; the prefix is
     VLLM_PROCESS_NAME_PREFIX, ``VLLM`` by default)."""
-    found = []
-    for pid in group_members(engine_pid):
-        try:
-            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0]
-        except OSError:
-            continue  # gone
-        if pid != engine_pid and b"::Worker" in title:
-            found.append(pid)
-    return found
+    return [
+        pid for pid in group_members(engine_pid)
+        if pid != engine_pid and b"::Worker" in (_cmdline(pid) or b"").split(b"\0", 1)[0]
+    ]  # fmt: skip
 
 
 def processes_with(entry: str) -> list[int]:
@@ -163,10 +167,8 @@ def engine_group(record: RunRecord) -> list[int]:
 
 
 def describe(pid: int) -> str:
-    try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        cmd = "?"
+    raw = _cmdline(pid)
+    cmd = "?" if raw is None else raw.replace(b"\0", b" ").decode(errors="replace").strip()
     return f"{pid} ({cmd[:60]})"
 
 
@@ -228,10 +230,7 @@ class RunLock:
 
 
 def _is_resource_tracker(pid: int) -> bool:
-    try:
-        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
+    return b"multiprocessing.resource_tracker" in (_cmdline(pid) or b"")
 
 
 def kill_instance(
