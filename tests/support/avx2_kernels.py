@@ -12,8 +12,13 @@ for all three in every Python of one environment, the engine children included:
 with a ``.pth`` line importing it (new files: nothing of uv's cache, whose files the venv's are
 hard links of, is touched). It acts only where ``QWEN38_CPU_KERNELS=avx2`` is set, so it may
 stay installed; ``remove`` takes it out. A child started with an environment of its own
-(without the variable) runs the machine's own kernels. Only the standard library here: the
-copy imports nothing of this repository.
+(without the variable) runs the machine's own kernels. Where it acts, the temporary directory
+is one of its own (``qwen38-avx2-UID`` inside the usual one): torch keeps its inductor caches
+there, and its precompiled headers whatever TORCHINDUCTOR_CACHE_DIR says; a header built on one
+set of kernels corrupts the other's compiled kernels (a run on the CPU's own kernels after a
+forced run aborted). A Python of the environment that does not act, given that directory,
+gets the usual one back. Only the standard library here: the copy imports nothing of this
+repository.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ import importlib.util
 import os
 import sys
 import sysconfig
+import tempfile
 from pathlib import Path
 
 VARIABLE = "QWEN38_CPU_KERNELS"
 MODULE = "qwen38_avx2_kernels"
+# The temporary directory of runs on the AVX2 kernels, inside the usual one (one per user).
+SCRATCH = f"qwen38-avx2-{os.getuid()}"
 # What torch and oneDNN read for themselves (documented knobs of theirs).
 KNOBS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 # torch.cpu's answers that vLLM reads to pick its extension and its kernels.
@@ -62,11 +70,26 @@ class _TorchCpuFinder(importlib.abc.MetaPathFinder):
 
 def activate() -> bool:
     """Called by the .pth line at every start: acts where QWEN38_CPU_KERNELS=avx2."""
-    if os.environ.get(VARIABLE) != "avx2" or "torch.cpu" in sys.modules:
+    acting = os.environ.get(VARIABLE) == "avx2" and "torch.cpu" not in sys.modules
+    _temporary_directory(acting)
+    if not acting:
         return False
     os.environ.update(KNOBS)
     sys.meta_path.insert(0, _TorchCpuFinder())
     return True
+
+
+def _temporary_directory(acting: bool) -> None:
+    """<usual>/qwen38-avx2-UID where the switch acts, <usual> where it does not: a child of a
+    forced Python keeps the first, one told to run the CPU's own kernels gets the second back."""
+    current = Path(tempfile.gettempdir())
+    usual = current.parent if current.name == SCRATCH else current
+    wanted = usual / SCRATCH if acting else usual
+    if wanted == current:
+        return
+    if acting:
+        wanted.mkdir(mode=0o700, exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = str(wanted)
 
 
 def problem_with_switch() -> str | None:

@@ -103,3 +103,56 @@ def test_pytest_refuses_to_start_where_the_switch_is_asked_for_and_missing(tmp_p
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 4, done.stdout + done.stderr
     assert "QWEN38_CPU_KERNELS='avx-2': the one value is avx2" in done.stderr
+
+
+# A kernel torch compiles (inductor, C++): what a forced run and a run on the CPU's own kernels
+# both build, in the same temporary directory unless the switch keeps them apart.
+COMPILED = """
+import json, site, sys, tempfile
+site.addsitedir(sys.argv[1])
+import torch
+
+@torch.compile
+def snap(x):
+    y = torch.abs(x)
+    y[y > 0.5] = 1.0
+    return y * torch.sign(x)
+
+x = torch.linspace(-1, 1, 4096)
+print(json.dumps({"compiled": snap(x).tolist(), "eager": snap.__wrapped__(x.clone()).tolist(),
+                  "tmp": tempfile.gettempdir()}))
+"""
+
+
+def test_a_forced_run_compiles_in_a_temporary_directory_of_its_own(tmp_path: Path) -> None:
+    """torch keeps its precompiled headers in the temporary directory whatever
+    TORCHINDUCTOR_CACHE_DIR says; shared, the forced run's headers made a later run on the CPU's
+    own kernels abort (`malloc(): unaligned tcache chunk detected`, 2026-12-04)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    avx2_kernels.install(site)
+    usual = tmp_path / "tmp"
+    usual.mkdir()
+    base = {k: v for k, v in os.environ.items()
+            if k not in (avx2_kernels.VARIABLE, "TORCHINDUCTOR_CACHE_DIR", *avx2_kernels.KNOBS)}
+
+    def compile_in(**env: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", COMPILED, str(site)], capture_output=True,
+                              text=True, timeout=300, env={**base, "TMPDIR": str(usual), **env})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    forced = compile_in(QWEN38_CPU_KERNELS="avx2")
+    own = compile_in()  # the same kernel, built after the forced run: it aborted before
+    assert forced["compiled"] == forced["eager"] and own["compiled"] == own["eager"]
+    scratch = usual / avx2_kernels.SCRATCH
+    assert (forced["tmp"], own["tmp"]) == (str(scratch), str(usual))
+    assert any(p.name.startswith("torchinductor_") for p in scratch.iterdir())
+    assert sorted(p.name for p in usual.iterdir() if p.name.startswith("qwen38")) == [avx2_kernels.SCRATCH]
+    # A child of a forced Python keeps its directory (no qwen38-avx2-UID/qwen38-avx2-UID); one
+    # given that directory without the variable (an environment of its own) gets the usual one.
+    for env, expected in (({"QWEN38_CPU_KERNELS": "avx2"}, scratch), ({}, usual)):
+        child = subprocess.run([sys.executable, "-c", "import site, sys, tempfile; site.addsitedir(sys.argv[1]); "
+                                "print(tempfile.gettempdir())", str(site)], capture_output=True, text=True,
+                               timeout=60, env={**base, "TMPDIR": str(scratch), **env})
+        assert child.stdout.strip() == str(expected), child.stderr
