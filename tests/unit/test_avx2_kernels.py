@@ -37,7 +37,7 @@ print(json.dumps(out))
 
 def _probe(site: Path, what: str, **env: str) -> dict:
     base = {k: v for k, v in os.environ.items() if k not in (avx2_kernels.VARIABLE, *avx2_kernels.KNOBS)}
-    done = subprocess.run([sys.executable, "-c", PROBE, str(site), what], env={**base, **env},
+    done = subprocess.run([sys.executable, "-c", PROBE, str(site), what], env={**base, "TMPDIR": str(site), **env},
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
