@@ -28,7 +28,6 @@ import importlib.util
 import os
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
 VARIABLE = "QWEN38_CPU_KERNELS"
@@ -81,15 +80,22 @@ def activate() -> bool:
 
 def _temporary_directory(acting: bool) -> None:
     """<usual>/qwen38-avx2-UID where the switch acts, <usual> where it does not: a child of a
-    forced Python keeps the first, one told to run the CPU's own kernels gets the second back."""
-    current = Path(tempfile.gettempdir())
-    usual = current.parent if current.name == SCRATCH else current
-    wanted = usual / SCRATCH if acting else usual
-    if wanted == current:
+    forced Python keeps the first, one told to run the CPU's own kernels gets the second back.
+    Where it does not act and TMPDIR names no such directory (every plain start), only TMPDIR is
+    read: nothing imported, nothing probed."""
+    named = Path(os.environ.get("TMPDIR") or "/")
+    if acting == (named.name == SCRATCH):
         return
     if acting:
+        import tempfile
+
+        wanted = Path(tempfile.gettempdir()) / SCRATCH
         wanted.mkdir(mode=0o700, exist_ok=True)
-    os.environ["TMPDIR"] = tempfile.tempdir = str(wanted)
+    else:
+        wanted = named.parent
+    os.environ["TMPDIR"] = str(wanted)
+    if "tempfile" in sys.modules:
+        sys.modules["tempfile"].tempdir = str(wanted)
 
 
 def problem_with_switch() -> str | None:

@@ -35,9 +35,14 @@ print(json.dumps(out))
 """
 
 
+def _child_env(**env: str) -> dict[str, str]:
+    """This process's environment without the switch, its knobs or an inductor cache, plus env."""
+    dropped = (avx2_kernels.VARIABLE, "TORCHINDUCTOR_CACHE_DIR", *avx2_kernels.KNOBS)
+    return {**{k: v for k, v in os.environ.items() if k not in dropped}, **env}
+
+
 def _probe(site: Path, what: str, **env: str) -> dict:
-    base = {k: v for k, v in os.environ.items() if k not in (avx2_kernels.VARIABLE, *avx2_kernels.KNOBS)}
-    done = subprocess.run([sys.executable, "-c", PROBE, str(site), what], env={**base, "TMPDIR": str(site), **env},
+    done = subprocess.run([sys.executable, "-c", PROBE, str(site), what], env=_child_env(TMPDIR=str(site), **env),
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -133,12 +138,10 @@ def test_a_forced_run_compiles_in_a_temporary_directory_of_its_own(tmp_path: Pat
     avx2_kernels.install(site)
     usual = tmp_path / "tmp"
     usual.mkdir()
-    base = {k: v for k, v in os.environ.items()
-            if k not in (avx2_kernels.VARIABLE, "TORCHINDUCTOR_CACHE_DIR", *avx2_kernels.KNOBS)}
 
     def compile_in(**env: str) -> dict:
         done = subprocess.run([sys.executable, "-c", COMPILED, str(site)], capture_output=True,
-                              text=True, timeout=300, env={**base, "TMPDIR": str(usual), **env})
+                              text=True, timeout=300, env=_child_env(TMPDIR=str(usual), **env))
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -154,5 +157,5 @@ def test_a_forced_run_compiles_in_a_temporary_directory_of_its_own(tmp_path: Pat
     for env, expected in (({"QWEN38_CPU_KERNELS": "avx2"}, scratch), ({}, usual)):
         child = subprocess.run([sys.executable, "-c", "import site, sys, tempfile; site.addsitedir(sys.argv[1]); "
                                 "print(tempfile.gettempdir())", str(site)], capture_output=True, text=True,
-                               timeout=60, env={**base, "TMPDIR": str(scratch), **env})
+                               timeout=60, env=_child_env(TMPDIR=str(scratch), **env))
         assert child.stdout.strip() == str(expected), child.stderr
