@@ -214,6 +214,15 @@ def stop_server(*servers: Server) -> None:
             server.process.wait()
 
 
+# The prompt length of the cache-isolation checks on the `cpu` servers (test_cpu_profile,
+# test_monitoring): three of the profile's 640-token KV blocks and a few tokens more, every check
+# as with the validator's default 6,000 tokens at a third of the prefill (AVX2 CPUs feel it). Not
+# 1,920: its prompts (1,917-1,922 tokens with " Answer:") failed a repeat's hit once on 2026-12-04.
+# Measured with token-id prompts on the served tiny hybrid (stock vLLM 0.28.0 alike, whenever its
+# engine core is a process of its own): the second request of a prompt of 1,410, 1,500, 1,919 or
+# 2,050 tokens hits nothing (the third hits 1,280); of 1,300, 1,930, 2,010 or 2,570-3,290, it hits.
+CACHE_PREFIX_TOKENS = 1950
+
 # The session's `cpu` servers, by fixture name: settings over the profile's defaults.
 SESSION_SERVERS = {
     "cpu_server": {},

@@ -12,7 +12,7 @@ import pytest
 from entrypoint.client import StackClient
 from entrypoint.errors import ReadinessError
 from entrypoint.ready import run_gate
-from tests.conftest import clean_env, run_cli
+from tests.conftest import CACHE_PREFIX_TOKENS, clean_env, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -50,19 +50,9 @@ def test_validate_apis_passes_for_every_model_id(cpu_server):
             "invalid parameters -> 400"} <= names
 
 
-# Prompts of three of the cpu profile's 640-token KV blocks and a few tokens more: every check as
-# with the default 6,000 tokens (the single-id run below uses that), at a third of the prefill
-# (AVX2 CPUs feel it). Not 1,920: a prompt that ends on a block boundary or before it (1,917-1,922
-# tokens with " Answer:") got no hit on its repeat in ~1 run of 10. Measured with token-id prompts
-# on the served tiny hybrid, stock vLLM 0.28.0 alike when its engine core is a process of its own:
-# the second request of a prompt of 1,410, 1,500, 1,919 or 2,050 tokens hits nothing (the third
-# hits 1,280), of 1,300, 1,930, 2,010 or any 2,570-3,290 it hits; ~1,950 lands in the hitting range.
-PREFIX_TOKENS = "1950"
-
-
 def test_cache_isolation_holds_and_passes_when_run_twice(cpu_server):
     for _ in range(2):
-        result = _cli(cpu_server, "validate", "cache-isolation", "--json", "--prefix-tokens", PREFIX_TOKENS)
+        result = _cli(cpu_server, "validate", "cache-isolation", "--json", "--prefix-tokens", str(CACHE_PREFIX_TOKENS))
         report = json.loads(result.stdout)
         assert result.returncode == 0, report
         hits = [c["data"]["hits_delta"] for c in report["checks"]]

@@ -18,7 +18,7 @@ import pytest
 
 from entrypoint.client import StackClient
 from entrypoint.dashboard import PANELS, check_queries, render_png
-from tests.conftest import free_port
+from tests.conftest import CACHE_PREFIX_TOKENS, free_port
 from tests.support.prometheus import (
     CONFIG,
     RULES,
@@ -51,9 +51,8 @@ def _traffic(cpu_server, cpu_spec_server) -> None:
     from entrypoint.validate.cache_isolation import validate_cache_isolation
 
     with StackClient(cpu_server.base_url, cpu_server.api_key) as client:
-        # prefix-cache queries and hits; three of the profile's 640-token KV blocks are plenty, and
-        # a few tokens more so that repeats hit (test_cpu_profile.PREFIX_TOKENS says why)
-        validate_cache_isolation(client, "qwen3.8-27b", "qwen3.8-27b-mode-b", prefix_tokens=1950)
+        # prefix-cache queries and hits
+        validate_cache_isolation(client, "qwen3.8-27b", "qwen3.8-27b-mode-b", prefix_tokens=CACHE_PREFIX_TOKENS)
         for model in ("qwen3.8-27b", "qwen3.8-27b-mode-b"):
             client.stream("/v1/completions", {"model": model, "prompt": "Caches are", "max_tokens": 16})
     with StackClient(cpu_spec_server.base_url, cpu_spec_server.api_key) as client:
