@@ -218,9 +218,9 @@ def stop_server(*servers: Server) -> None:
 # test_monitoring): three of the profile's 640-token KV blocks and a few tokens more, every check
 # as with the validator's default 6,000 tokens at a third of the prefill (AVX2 CPUs feel it). Not
 # 1,920: its prompts (1,917-1,922 tokens with " Answer:") failed a repeat's hit once on 2026-12-04.
-# Measured with token-id prompts on the served tiny hybrid (stock vLLM 0.28.0 alike, whenever its
-# engine core is a process of its own): the second request of a prompt of 1,410, 1,500, 1,919 or
-# 2,050 tokens hits nothing (the third hits 1,280); of 1,300, 1,930, 2,010 or 2,570-3,290, it hits.
+# A prompt of exactly 1,920 tokens ends on a block boundary: its repeat may reuse at most 1,919
+# tokens, so 1,280, a state its first sending never kept (vLLM's hybrid cache, on GPUs too); the
+# repeat hits from the third sending. (Before patch 0077 many other lengths missed on the second.)
 CACHE_PREFIX_TOKENS = 1950
 
 # The session's `cpu` servers, by fixture name: settings over the profile's defaults.
