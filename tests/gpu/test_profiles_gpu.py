@@ -5,8 +5,8 @@ drafting, bf16 / int8_per_token_head / fp8 KV, prefix caching, CUDA graphs, LoRA
 autotune off, the drafter's attention backend) with their model slots pointed at `qwen38
 tiny`'s models (tests/gpu/tiny_profiles.py). Each is started with `qwen38 serve` (verify, plan,
 launch, readiness gate), then checked with `qwen38 validate apis`, `qwen38 validate
-cache-isolation` and a short `qwen38 bench c1`; drafts are counted in /metrics and greedy
-outputs must be the same with speculation off. The pool `qwen38 serve` planned must be the
+cache-isolation`, a repeated prompt's hits and a short `qwen38 bench c1`; drafts are counted
+in /metrics and greedy outputs must be the same with speculation off. The pool `qwen38 serve` planned must be the
 pool each engine logs, for these servers and, started eagerly until the engine has logged its
 pool, for the other combinations of prefix caching and speculation. Last, each is stopped and
 started again on the same CACHE_DIR: the warm start.
@@ -33,6 +33,7 @@ from tests.gpu.conftest import record
 from tests.gpu.tiny_profiles import SHARE, TINY, derive, write_profiles
 from tests.support.chain_copy import greedy_ids
 from tests.support.kv_pool import pools, serve_until_pool_logged
+from tests.support.prefix_cache import kv_block_tokens, sendings, token_prompt
 
 pytestmark = pytest.mark.gpu
 
@@ -151,6 +152,19 @@ def test_validate_apis(server):
 @pytest.mark.parametrize("server", PROFILES, indirect=True)
 def test_validate_cache_isolation(server):
     _cli(server, "validate", "cache-isolation")
+
+
+@pytest.mark.parametrize("server", PROFILES, indirect=True)
+def test_a_repeated_prompt_hits_the_cache_on_its_second_sending(server):
+    """A repeat reuses on its second sending all the cache will ever give it (on CPU this needed
+    patch 0077; the CUDA platform keeps the engine's resolved block size by itself). Four blocks
+    and a part: with DFlash2, an EAGLE-style drafter, the last matching block is given up."""
+    block = kv_block_tokens(server.log.read_text(errors="replace"))
+    length = 4 * block + 130
+    with StackClient(server.base_url, server.api_key) as client:
+        hits = sendings(client, token_prompt(length, length), f"repeat-{server.profile}", 3)
+    record(f"{server.profile.removesuffix('-tiny')}.repeat_hits", {"length": length, "block": block, "cached": hits})
+    assert hits[0] == 0 and hits[1] == hits[2] > 0 and hits[1] % block == 0, hits
 
 
 @pytest.mark.parametrize("server", PROFILES, indirect=True)

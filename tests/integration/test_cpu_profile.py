@@ -5,7 +5,6 @@ both validators, exactly as a user runs them against any deployment."""
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import pytest
@@ -14,6 +13,7 @@ from entrypoint.client import StackClient
 from entrypoint.errors import ReadinessError
 from entrypoint.ready import run_gate
 from tests.conftest import CACHE_PREFIX_TOKENS, clean_env, run_cli
+from tests.support.prefix_cache import cached_tokens, complete, kv_block_tokens, sendings, token_prompt
 
 pytestmark = pytest.mark.integration
 
@@ -135,37 +135,14 @@ def test_a_seeded_request_with_a_chunked_prompt_is_answered_the_same_every_time(
     assert after["choices"][0]["text"] is not None
 
 
-def _token_prompt(seed: int, length: int) -> list[int]:
-    """A prompt of token ids (the tiny vocabulary's 1,000), the same for the same seed."""
-    rng = random.Random(seed)
-    return [rng.randrange(10, 990) for _ in range(length)]
-
-
-def _complete(client: StackClient, prompt: list[int], salt: str, **extra) -> dict:
-    body = {"model": "qwen3.8-27b", "prompt": prompt, "max_tokens": 1, "cache_salt": salt, **extra}
-    return client.post_json("/v1/completions", body)
-
-
-def _cached_tokens(answer: dict) -> int:
-    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def _kv_block_tokens(server) -> int:
-    found = re.search(r"Setting attention block size to (\d+) tokens", server.log.read_text())
-    assert found, "the engine did not log its hybrid block size"
-    return int(found.group(1))
-
-
 @pytest.mark.parametrize("length", [1410, 2050])
 def test_a_repeated_prompt_hits_the_cache_on_its_second_sending(cpu_server, length):
     """Patch 0077: the CPU engine core reset the hybrid's block size (640) to 128 after its
     handshake, so prefill chunks ended off the mamba blocks; the second sending of such a prompt
     hit nothing (the third did). Now the second reuses every whole block the prompt allows."""
-    block = _kv_block_tokens(cpu_server)
-    prompt = _token_prompt(length, length)
-    salt = f"repeat-{length}"  # nothing else shares this cache
+    block = kv_block_tokens(cpu_server.log.read_text())
     with StackClient(cpu_server.base_url, cpu_server.api_key) as client:
-        first, second = (_cached_tokens(_complete(client, prompt, salt)) for _ in range(2))
+        first, second = sendings(client, token_prompt(length, length), f"repeat-{length}", 2)
     assert length % block > 128  # where the stock CPU engine's chunks ended off a block
     assert (first, second) == (0, (length - 1) // block * block)
 
@@ -177,14 +154,15 @@ def test_a_request_resuming_from_another_prompts_cached_prefix_answers_as_withou
     resumed from it (on the tiny model its logprobs moved by 1e-4 to 2e-2). Now chunks end on the
     640-token blocks, the cached states are those of their positions, and the resumed request
     gets the very answer it gets with nothing cached (the same chunks from the same state)."""
-    shared = _token_prompt(7, 4200)
-    other = shared[:2600] + _token_prompt(8, 100)
+    shared = token_prompt(7, 4200)
+    other = shared[:2600] + token_prompt(8, 100)
     greedy = {"max_tokens": 16, "temperature": 0, "logprobs": 1}
     with StackClient(cpu_server.base_url, cpu_server.api_key) as client:
-        alone = _complete(client, other, "resume-alone", **greedy)
-        _complete(client, shared, "resume-shared")
-        resumed = _complete(client, other, "resume-shared", **greedy)
-    assert _cached_tokens(alone) == 0 and _cached_tokens(resumed) >= 2 * _kv_block_tokens(cpu_server)
+        alone = complete(client, other, "resume-alone", **greedy)
+        complete(client, shared, "resume-shared")
+        resumed = complete(client, other, "resume-shared", **greedy)
+    block = kv_block_tokens(cpu_server.log.read_text())
+    assert cached_tokens(alone) == 0 and cached_tokens(resumed) >= 2 * block
     expected, got = (answer["choices"][0]["logprobs"] for answer in (alone, resumed))
     assert got["tokens"] == expected["tokens"]
     assert got["token_logprobs"] == pytest.approx(expected["token_logprobs"], abs=1e-6)
