@@ -6,10 +6,10 @@ autotune off, the drafter's attention backend) with their model slots pointed at
 tiny`'s models (tests/gpu/tiny_profiles.py). Each is started with `qwen38 serve` (verify, plan,
 launch, readiness gate), then checked with `qwen38 validate apis`, `qwen38 validate
 cache-isolation`, a repeated prompt's hits and a short `qwen38 bench c1`; drafts are counted
-in /metrics and greedy outputs must be the same with speculation off. The pool `qwen38 serve` planned must be the
-pool each engine logs, for these servers and, started eagerly until the engine has logged its
-pool, for the other combinations of prefix caching and speculation. Last, each is stopped and
-started again on the same CACHE_DIR: the warm start.
+in /metrics and greedy outputs must be the same with speculation off. The pool `qwen38 serve`
+planned must be the pool each engine logs, for these servers and, started eagerly until the
+engine has logged its pool, for the other combinations of prefix caching and speculation.
+Last, each is stopped and started again on the same CACHE_DIR: the warm start.
 
 Start order: `single` first, alone, so the JIT caches every profile shares (FlashInfer's,
 under CACHE_DIR) are filled once; then the other three side by side while `single` is checked.
