@@ -13,7 +13,7 @@ from entrypoint.client import StackClient
 from entrypoint.errors import ReadinessError
 from entrypoint.ready import run_gate
 from tests.conftest import CACHE_PREFIX_TOKENS, clean_env, run_cli
-from tests.support.prefix_cache import cached_tokens, complete, kv_block_tokens, sendings, token_prompt
+from tests.support.prefix_cache import alone_and_resumed, cached_tokens, kv_block_tokens, sendings, token_prompt
 
 pytestmark = pytest.mark.integration
 
@@ -151,16 +151,11 @@ def test_a_request_resuming_from_another_prompts_cached_prefix_answers_as_withou
     """Patch 0077: with chunks ending on 128-token marks, a 4,200-token prompt's first chunk
     (2,048 tokens, the step's budget) left its state in a block that went into the cache, once
     the next chunk ran to 4,096, as the state after 2,560 tokens; a request sharing 2,600 tokens
-    resumed from it (on the tiny model its logprobs moved by 1e-4 to 2e-2). Now chunks end on the
+    resumed from it (its logprobs off by 2e-4 on the tiny model). Now chunks end on the
     640-token blocks, the cached states are those of their positions, and the resumed request
     gets the very answer it gets with nothing cached (the same chunks from the same state)."""
-    shared = token_prompt(7, 4200)
-    other = shared[:2600] + token_prompt(8, 100)
-    greedy = {"max_tokens": 16, "temperature": 0, "logprobs": 1}
     with StackClient(cpu_server.base_url, cpu_server.api_key) as client:
-        alone = complete(client, other, "resume-alone", **greedy)
-        complete(client, shared, "resume-shared")
-        resumed = complete(client, other, "resume-shared", **greedy)
+        alone, resumed = alone_and_resumed(client, "resume")
     block = kv_block_tokens(cpu_server.log.read_text())
     assert cached_tokens(alone) == 0 and cached_tokens(resumed) >= 2 * block
     expected, got = (answer["choices"][0]["logprobs"] for answer in (alone, resumed))
