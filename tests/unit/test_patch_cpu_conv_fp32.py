@@ -54,7 +54,7 @@ for i, (b, e) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist())):
 SAME_BITS = BATCH + r"""
 onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 by_conv = [prefill(*case) for case in CASES]
-cc._onednn_convolves_bf16 = lambda: False
+cc.onednn_takes_bf16 = lambda: False
 by_taps = [prefill(*case) for case in CASES]
 
 def reference(use_bias):
