@@ -1,9 +1,9 @@
 """Times the CPU prefill's depthwise causal conv (width 4) the three ways patch 0079 weighs:
 torch's bf16 ``F.conv1d`` on oneDNN (CPUs with AVX-512), the same call on an AVX2-only CPU
 (torch's own bf16 kernel: oneDNN has no bf16 there), and the patch's fp32 taps rounded once.
-The AVX2 figures come from a child with oneDNN, MKL and torch limited to AVX2 (the knobs
-`tests.support.avx2_kernels` sets), which is what `_is_mkldnn_bf16_supported()` answers on a
-real AVX2 CPU. Also counts the elements where the taps differ from oneDNN's bf16 result.
+The AVX2 figures come from a child on the AVX2 kernels (the switch `tests.support.avx2_kernels`
+installs: oneDNN, MKL and torch limited to AVX2), where `_is_mkldnn_bf16_supported()` answers
+as on a real AVX2 CPU. Also counts the elements where the taps differ from oneDNN's bf16 result.
 
     .venv/bin/python -m tests.support.conv_bench [--channels 1024 10240] [--lengths 16 2048]
 
