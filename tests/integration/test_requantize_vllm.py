@@ -226,17 +226,22 @@ def test_mtp_speculation_with_int8_mtp_layers_emits_the_targets_greedy_tokens(ti
     # target lm_head + MTP fc and projections (q/k/v and gate/up fused by vLLM) + MTP lm_head
     assert len(speculative["int8_layers"]) >= 6
     assert speculative["spec_metrics"].get("vllm:spec_decode_num_drafts", 0) > 0
-    # Lossless: every emitted token is the target's own greedy choice at its position, up
-    # to bf16 noise (the multi-token verify step and a prefill round differently, so a
-    # near-tie may go either way). Scored by the target alone, no speculation.
+    # Lossless: every emitted token, drafted or not, is the top token of the target's own
+    # logits at its position in the verify step (the logprobs vLLM returns with speculation),
+    # exactly. And those logits are the target's: a plain prefill of the target alone, no
+    # speculation, gives each of their tokens the same logprob up to rounding (the multi-token
+    # verify step and a prefill round differently: up to 0.008 seen on bf16, 0.034 on W4A16 on
+    # an AMX Xeon, whose W4A16 GEMM blocks by row count; a near-tie may go either way there).
     scored = answered(probed, f"mtp-{kind}-scored")
     assert not scored["spec_metrics"].get("vllm:spec_decode_num_drafts")
     for spec, score in zip(speculative["outputs"], scored["outputs"], strict=True):
         start = len(spec["prompt_token_ids"])
         assert score["prompt_token_ids"] == spec["prompt_token_ids"] + spec["token_ids"]
         for offset, token in enumerate(spec["token_ids"]):
-            logprobs = score["prompt_logprobs"][start + offset]
-            assert logprobs[str(token)] >= max(logprobs.values()) - 0.02, (offset, token, logprobs)
+            verified, prefilled = spec["logprobs"][offset], score["prompt_logprobs"][start + offset]
+            assert verified[str(token)] == max(verified.values()), (offset, token, verified)
+            for other in verified.keys() & prefilled.keys():
+                assert abs(verified[other] - prefilled[other]) <= 0.05, (offset, other, verified, prefilled)
 
 
 @pytest.mark.parametrize("kind", ["w4a16", "bf16"])
