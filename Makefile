@@ -14,7 +14,7 @@ MODELS_DIR ?= models
 KEY_FILE ?= secrets/api_key
 PYTEST_ARGS ?=
 
-.PHONY: setup demo models agent-clients test test-avx2 unit container-checks image-test image-test-clean lock-deps gpu-test docs clean prometheus
+.PHONY: setup demo models agent-clients test test-avx2 qemu unit container-checks image-test image-test-clean lock-deps gpu-test docs clean prometheus
 
 setup: $(STAMP) $(PATCHED)
 
@@ -69,7 +69,7 @@ agent-clients:
 SERVING_TESTS := tests/container tests/gpu tests/integration
 UNIT_WORKERS ?= 2
 UNIT_XDIST = -n $(UNIT_WORKERS) --dist loadfile
-test: setup prometheus
+test: setup prometheus qemu
 	@failed=0; selected=0; \
 	for run in "$(SERVING_TESTS)" "tests/unit $(UNIT_XDIST)"; do \
 		echo "+ pytest $$run $(PYTEST_ARGS)"; \
@@ -99,6 +99,22 @@ $(PROMETHEUS_DIR)/usr/bin/promtool:
 		|| echo "make prometheus: cannot download Debian's prometheus package; the monitoring tests will skip"; }
 	if ls $(PROMETHEUS_DIR)/deb/prometheus_*.deb >/dev/null 2>&1; then \
 		dpkg-deb -x $$(ls $(PROMETHEUS_DIR)/deb/prometheus_*.deb | head -1) $(PROMETHEUS_DIR) && rm -rf $(PROMETHEUS_DIR)/deb; fi
+
+# Debian's qemu-user-static, of which only qemu-x86_64 is kept (10 MiB), in .venv: the AVX2
+# switch is checked against an emulated CPU without AVX-512 (tests/unit/test_avx2_kernels.py);
+# the test skips, saying so, where it cannot be had (or on a host that is not x86_64).
+QEMU_DIR := $(VENV)/qemu
+qemu: $(QEMU_DIR)/qemu-x86_64
+
+$(QEMU_DIR)/qemu-x86_64:
+	[ "$$(uname -m)" = x86_64 ] || { echo "make qemu: not an x86_64 host; the AVX2 switch's CPU-model check will skip"; exit 0; }; \
+	mkdir -p $(QEMU_DIR)/deb && cd $(QEMU_DIR)/deb && { apt-get download qemu-user-static >/dev/null 2>&1 \
+		|| { [ "$$(id -u)" = 0 ] && apt-get update -q >/dev/null && apt-get download qemu-user-static >/dev/null 2>&1; } \
+		|| echo "make qemu: cannot download Debian's qemu-user-static; the AVX2 switch's CPU-model check will skip"; }
+	if ls $(QEMU_DIR)/deb/qemu-user-static_*.deb >/dev/null 2>&1; then \
+		dpkg-deb --fsys-tarfile $$(ls $(QEMU_DIR)/deb/qemu-user-static_*.deb | head -1) \
+			| tar -x -O ./usr/bin/qemu-x86_64-static > $@.tmp && chmod +x $@.tmp && mv $@.tmp $@; fi
+	rm -rf $(QEMU_DIR)/deb
 
 unit: setup
 	$(BIN)/python -m pytest tests/unit $(UNIT_XDIST) $(PYTEST_ARGS)

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from prepare.directions import read_directions
 from prepare.manifest import MANIFEST_NAME
+from tests.support import avx2_kernels
 from tests.support.session_cache import session_vllm_cache
 from tests.support.lora_probe import PROMPTS
 from tests.support.vllm_env import vllm_child_env
@@ -62,10 +63,12 @@ def observed(tmp_path_factory, tiny_root) -> dict[str, dict]:
     base = tiny_root / "tiny" / "target"
     directions = tiny_root / "tiny" / "directions" / "directions.safetensors"
     adapter = work / "mode-b"
+    # a bare environment (on the AVX2 switch, its variable too: the bits below are the kernels')
+    bare = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", **avx2_kernels.passed_on()}
     build = subprocess.run(
         [sys.executable, "-m", "entrypoint.cli", "adapter", "build", "--model", str(base),
          "--directions", str(directions), "--out", str(adapter)],
-        cwd=REPO, capture_output=True, text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        cwd=REPO, capture_output=True, text=True, env=bare,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr
     assert "8 modules" in build.stdout

@@ -117,6 +117,12 @@ def forced() -> bool:
     return os.environ.get(VARIABLE) == "avx2" and MODULE in sys.modules
 
 
+def passed_on() -> dict[str, str]:
+    """What a child started with an environment of its own needs to run this process's kernels:
+    the variable where the switch acts here, nothing where it does not."""
+    return {VARIABLE: "avx2"} if forced() else {}
+
+
 def _site_packages() -> Path:
     return Path(sysconfig.get_paths()["purelib"])
 
