@@ -21,6 +21,27 @@ from tests.support.vllm_views import vllm_views  # noqa: F401 (the fixture: one 
 
 REPO = Path(__file__).resolve().parent.parent
 QWEN38 = [sys.executable, "-m", "entrypoint.cli"]
+GPU_DEVICE = Path("/dev/nvidia0")
+
+
+def _one_openmp_thread_per_process() -> None:
+    """Where no GPU is present, every Python of the session (servers, engines, workers, the
+    pytest workers themselves) runs one OpenMP thread, unless OMP_NUM_THREADS says otherwise.
+
+    Several of them compute at once on a machine of two cores (the session's three servers
+    start and answer their gates beside a test's own engines). With torch's default, one
+    thread per core in each, their threads wait for each other at every parallel region,
+    spinning, on cores the others need: on the Xeon with AMX (2026-12-06), a selection of the
+    serving tests took 295 s on the AVX2 kernels and 137 s on the CPU's own, 171 s and 127 s
+    with one thread each (docs: README, "Where the time goes"). Set before torch is imported:
+    OpenMP reads it once, at load (nothing imported above imports torch), and every child
+    inherits it.
+    """
+    if not GPU_DEVICE.exists():
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+_one_openmp_thread_per_process()
 
 
 def _triton_core_for_the_interpreter() -> None:
@@ -31,7 +52,7 @@ def _triton_core_for_the_interpreter() -> None:
     first imported with TRITON_INTERPRET=1; later in a session vLLM imports Triton plainly.
     Only the core library is affected: kernels decorated later (vLLM's) stay compiled ones.
     """
-    if Path("/dev/nvidia0").exists() or "triton" in sys.modules:
+    if GPU_DEVICE.exists() or "triton" in sys.modules:
         return
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"

