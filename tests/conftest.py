@@ -33,7 +33,7 @@ def _one_openmp_thread_per_process() -> None:
     thread per core in each, their threads wait for each other at every parallel region,
     spinning, on cores the others need: on the Xeon with AMX (2026-12-06), a selection of the
     serving tests took 295 s on the AVX2 kernels and 137 s on the CPU's own, 171 s and 127 s
-    with one thread each (docs: README, "Where the time goes"). Set before torch is imported:
+    with one thread each (docs/test-suite.md, "Where the time goes"). Set before torch is imported:
     OpenMP reads it once, at load (nothing imported above imports torch), and every child
     inherits it.
     """
