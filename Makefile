@@ -136,6 +136,31 @@ image-test-clean:
 	test ! -e $(IMAGE_TEST_DIR)/docker/docker.pid || { echo "a test daemon is still running"; exit 1; }
 	rm -rf $(IMAGE_TEST_DIR)
 
+# Opt-in: an owner's first run through compose with models from a hub (the stand-in, through
+# HF_ENDPOINT): a commit pinned at first use and recorded, a flipped byte refused, the token a
+# secret, progress in `compose logs`, healthy, validate apis, a restart verified from the stat
+# cache. Shares image-test's daemon and layers (root; docker.io, mmdebstrap). docs/images.md.
+.PHONY: first-run-test
+first-run-test: setup
+	QWEN38_FIRST_RUN_TEST=1 QWEN38_IMAGE_TEST_DIR=$(IMAGE_TEST_DIR) \
+		$(BIN)/python -m pytest tests/container/test_first_run.py -m image -p no:cacheprovider $(PYTEST_ARGS)
+
+# Opt-in: the publish path against a registry on loopback. compose builds the `cpu` image through
+# the unpublished default, it is pushed to Debian's docker-registry on 127.0.0.1, `qwen38 image pin`
+# rewrites a copy of compose.yaml, compose pulls it back by digest and serves it (root; docker.io,
+# mmdebstrap, docker-registry; a buildx plugin, fetched from Debian where none is installed;
+# ~9 min cold on the 2-core VM). docs/images.md.
+.PHONY: registry-test registry-test-clean
+REGISTRY_TEST_DIR ?= /tmp/qwen38-registry-test
+registry-test: setup
+	QWEN38_REGISTRY_TEST=1 QWEN38_REGISTRY_TEST_DIR=$(REGISTRY_TEST_DIR) \
+		$(BIN)/python -m pytest tests/container/test_registry_publish.py -m image -p no:cacheprovider $(PYTEST_ARGS)
+
+registry-test-clean:
+	for pid in $(REGISTRY_TEST_DIR)/docker/docker.pid $(REGISTRY_TEST_DIR)/fresh-box/docker.pid; do \
+		test ! -e $$pid || { echo "a test daemon is still running ($$pid)"; exit 1; }; done
+	rm -rf $(REGISTRY_TEST_DIR)
+
 # Opt-in: build the RTX 3090 image from scratch on a stand-in for its nvidia/cuda base and check
 # it inside, without a GPU, as its user: torch/vLLM import, patches, doctor, nvcc, a FlashInfer
 # JIT build, `pip freeze` == the lock (root; docker.io and mmdebstrap; ~4.3 GB of wheels, ~40 GB

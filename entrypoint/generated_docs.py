@@ -1,8 +1,8 @@
 """`qwen38 docs`: regenerate what the docs derive from the code (or check it has not drifted).
 
-`.env.example` and the README's settings and profiles tables are generated from the
-settings fields and the profile files, the monitoring profile's Grafana dashboard from
-`entrypoint.dashboard`; editing them by hand is a drift the tests catch.
+`.env.example` and the settings table of docs/settings.md are generated from the settings
+fields, the README's profiles table from the profile files, the monitoring profile's Grafana
+dashboard from `entrypoint.dashboard`; editing them by hand is a drift the tests catch.
 """
 
 from __future__ import annotations
@@ -19,25 +19,37 @@ from entrypoint.settings import render_env_example
 REPO = Path(__file__).resolve().parent.parent
 
 
-def generated_sections() -> dict[str, str]:
+SETTINGS_DOC = REPO / "docs" / "settings.md"
+
+
+def generated_sections(path: Path) -> dict[str, str]:
+    """The generated blocks of one document (README.md or docs/settings.md), by marker name."""
     from entrypoint.settings import render_settings_table
 
-    return {"settings-table": render_settings_table(), "profiles-table": render_profiles_table()}
+    if path == SETTINGS_DOC:
+        return {"settings-table": render_settings_table()}
+    return {"profiles-table": render_profiles_table()}
+
+
+def render_generated(path: Path, text: str) -> str:
+    """``text`` (the document at ``path``) with each generated block between its markers renewed."""
+    for name, table in generated_sections(path).items():
+        pattern = rf"<!-- {name}:start -->\n.*?<!-- {name}:end -->"
+        if not re.search(pattern, text, flags=re.S):
+            raise StackError(f"{path.name}: markers <!-- {name}:start/end --> not found")
+        text = re.sub(pattern, lambda _m: f"<!-- {name}:start -->\n{table}<!-- {name}:end -->", text, flags=re.S)
+    return text
 
 
 def render_readme(text: str) -> str:
-    for name, table in generated_sections().items():
-        pattern = rf"<!-- {name}:start -->\n.*?<!-- {name}:end -->"
-        if not re.search(pattern, text, flags=re.S):
-            raise StackError(f"README.md: markers <!-- {name}:start/end --> not found")
-        text = re.sub(pattern, lambda _m: f"<!-- {name}:start -->\n{table}<!-- {name}:end -->", text, flags=re.S)
-    return text
+    return render_generated(REPO / "README.md", text)
 
 
 def _cmd_docs(args: argparse.Namespace) -> int:
     targets = {
         REPO / ".env.example": render_env_example(),
         REPO / "README.md": render_readme((REPO / "README.md").read_text()),
+        SETTINGS_DOC: render_generated(SETTINGS_DOC, SETTINGS_DOC.read_text()),
         DASHBOARD_PATH: dashboard_json(),
     }
     stale = [path for path, content in targets.items() if not path.is_file() or path.read_text() != content]
@@ -54,6 +66,6 @@ def _cmd_docs(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("docs", help="regenerate .env.example, the README tables and the Grafana dashboard")
+    parser = subparsers.add_parser("docs", help="regenerate .env.example, the settings and profiles tables and the Grafana dashboard")
     parser.add_argument("--check", action="store_true", help="fail if they are stale instead of writing")
     parser.set_defaults(func=_cmd_docs)

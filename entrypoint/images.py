@@ -10,8 +10,15 @@ records is derived, not typed by hand:
 - ``SOURCE_REVISION``: the git commit the image is built from.
 
 ``qwen38 image build-args NAME`` prints them as ``docker build`` arguments (or KEY=VALUE
-lines for CI); ``qwen38 image pin NAME REF`` rewrites the image default compose.yaml pulls,
-which the publish workflow runs after pushing.
+lines for CI).
+
+compose.yaml's default for each image is in one of two states. Until the image is published it
+is the plain local tag ``qwen38-stack:<version>-<image>`` (`local_tag`): no registry has it, so
+``docker compose up`` fails to pull it, ignores that (the service has a ``build:``) and builds
+it. ``qwen38 image pin NAME REF``, which the publish workflow runs after pushing, rewrites the
+default to the pushed ``REPOSITORY:TAG@sha256:DIGEST`` (`PINNED_REFERENCE`), which compose then
+pulls. (A digest cannot be the default before there is one: compose would fail to pull it and
+then fail to build it, since an image cannot be tagged with a digest.)
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE_PATH = REPO / "compose.yaml"
 PUBLISHED_REPOSITORY = "ghcr.io/qwen38-stack/qwen38-stack"
+# Where compose tags an image it builds itself, while no published digest is pinned.
+LOCAL_REPOSITORY = "qwen38-stack"
 # A published image as compose pulls it: repository, tag and the digest of what was pushed.
 PINNED_REFERENCE = re.compile(
     r"^[a-z0-9]+([._/-][a-z0-9]+)*(:\d+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}@sha256:[0-9a-f]{64}$"
@@ -140,6 +149,16 @@ def published_tag(spec: ImageSpec, version: str | None = None) -> str:
     return f"{PUBLISHED_REPOSITORY}:{version or project_version()}-{spec.name}"
 
 
+def local_tag(spec: ImageSpec, version: str | None = None) -> str:
+    """The unpublished default: the tag compose builds the image as (it pulls nothing by it)."""
+    return f"{LOCAL_REPOSITORY}:{version or project_version()}-{spec.name}"
+
+
+def is_pinned(reference: str) -> bool:
+    """Whether ``reference`` names a pushed image by its digest (what compose pulls)."""
+    return PINNED_REFERENCE.fullmatch(reference) is not None
+
+
 def _default_pattern(spec: ImageSpec) -> re.Pattern[str]:
     return re.compile(r"\$\{" + re.escape(spec.compose_variable) + r":-([^}]*)\}")
 
@@ -154,12 +173,22 @@ def compose_default(compose_text: str, spec: ImageSpec) -> str:
     return found.pop()
 
 
-def pin_compose_image(compose_text: str, spec: ImageSpec, reference: str) -> str:
-    """``compose_text`` with ``spec``'s default image replaced by ``reference`` (pure)."""
-    if not PINNED_REFERENCE.fullmatch(reference):
-        raise ImageError(f"{reference!r}: expected REPOSITORY:TAG@sha256:<64 hex> (a pushed image's digest)")
+def _set_compose_default(compose_text: str, spec: ImageSpec, reference: str) -> str:
     compose_default(compose_text, spec)  # exactly one default, or a clear error
     return _default_pattern(spec).sub(lambda _m: f"${{{spec.compose_variable}:-{reference}}}", compose_text)
+
+
+def pin_compose_image(compose_text: str, spec: ImageSpec, reference: str) -> str:
+    """``compose_text`` with ``spec``'s default image replaced by ``reference`` (pure): from the
+    local tag (unpublished) or an earlier pin to the pushed image, by digest."""
+    if not is_pinned(reference):
+        raise ImageError(f"{reference!r}: expected REPOSITORY:TAG@sha256:<64 hex> (a pushed image's digest)")
+    return _set_compose_default(compose_text, spec, reference)
+
+
+def unpin_compose_image(compose_text: str, spec: ImageSpec) -> str:
+    """``compose_text`` with ``spec``'s default back to the local tag: compose builds it (pure)."""
+    return _set_compose_default(compose_text, spec, local_tag(spec))
 
 
 # ---- commands ------------------------------------------------------------------------------
@@ -193,8 +222,10 @@ def _cmd_pin(args: argparse.Namespace) -> int:
     if new == text:
         print(f"{path.name}: {spec.name} already pins {args.reference}")
         return 0
+    before = compose_default(text, spec)
     atomic_write_text(path, new)
-    print(f"{path.name}: {spec.name} now pulls {args.reference}")
+    was = f"pulled {before}" if is_pinned(before) else f"built locally as {before}"
+    print(f"{path.name}: {spec.name} now pulls {args.reference} (was: {was})")
     return 0
 
 
@@ -220,7 +251,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pin = actions.add_parser(
         "pin",
         help="make compose.yaml pull this pushed image by default",
-        description="Rewrite the default of ${IMAGE_<NAME>:-...} in compose.yaml to REPOSITORY:TAG@sha256:DIGEST.",
+        description="Rewrite the default of ${IMAGE_<NAME>:-...} in compose.yaml (the local tag compose "
+        "builds while nothing is published, or an earlier pin) to REPOSITORY:TAG@sha256:DIGEST.",
     )
     pin.add_argument("image", choices=list(IMAGES), help="which image")
     pin.add_argument("reference", help="REPOSITORY:TAG@sha256:DIGEST of the pushed image")

@@ -32,10 +32,12 @@ from pydantic import SecretStr
 
 from entrypoint.canary import ask_canary
 from entrypoint.client import StackClient
+from entrypoint.engine_output import FIRST_PHASE, Heartbeat, StartPhase
 from entrypoint.errors import ReadinessError
 from entrypoint.lifecycle import is_running, port_answers, process_start_time
 from entrypoint.profiles import Profile
 from entrypoint.settings import Settings
+from prepare.progress import say
 
 
 @dataclass
@@ -56,11 +58,20 @@ class ReadyReport:
     head: str | None = None  # a worker host's: the head HOST:PORT it follows (`entrypoint.worker_gate`)
 
 
-def wait_for_health(client: StackClient, timeout: float, alive: Callable[[], bool] = lambda: True) -> float:
-    """Poll /health until it answers 200; seconds waited. Fails fast if the engine died."""
+def wait_for_health(
+    client: StackClient,
+    timeout: float,
+    alive: Callable[[], bool] = lambda: True,
+    on_wait: Callable[[float], None] | None = None,
+) -> float:
+    """Poll /health until it answers 200; seconds waited. Fails fast if the engine died.
+
+    ``on_wait(seconds waited)`` runs at each poll (`qwen38 serve`'s start-up heartbeat)."""
     start = time.monotonic()
     delay = 0.25  # a local request: polling each second at most costs nothing and ends the wait promptly
     while not client.health():
+        if on_wait is not None:
+            on_wait(time.monotonic() - start)
         if not alive():
             raise ReadinessError("the engine exited before it became healthy (see its log above)")
         if time.monotonic() - start > timeout:
@@ -79,14 +90,16 @@ def run_gate(
     timeout: float,
     alive: Callable[[], bool] = lambda: True,
     instance: str | None = None,
+    on_wait: Callable[[float], None] | None = None,
 ) -> ReadyReport:
     """The four checks, in order; raises `ReadinessError` naming the first that fails.
 
-    With ``instance``, the server answering must be the one started with that id."""
+    With ``instance``, the server answering must be the one started with that id;
+    ``on_wait`` runs while /health does not answer yet (`wait_for_health`)."""
     start = time.monotonic()
     expected = [base_id] + ([adapter_id] if adapter_id else [])
     report = ReadyReport(ready=False, base_url=client.base_url, model_ids=expected, seconds=0.0)
-    wait_for_health(client, timeout, alive)
+    wait_for_health(client, timeout, alive, on_wait)
     if instance is not None:
         check_instance(client, instance)
         report.checks.append(f"health: 200 from instance {instance}")
@@ -162,7 +175,8 @@ def read_status(settings: Settings, profile_name: str) -> dict | None:
 
 class Watcher:
     """The engine's companion (a thread of `qwen38 serve`'s supervisor): runs the gate,
-    reports, fails closed."""
+    reports, fails closed. While it waits for the first /health it prints a heartbeat with
+    the start's phase (``phase``: what the engine's output says, `entrypoint.engine_output`)."""
 
     def __init__(
         self,
@@ -172,8 +186,10 @@ class Watcher:
         identity: str | None = None,
         instance: str | None = None,
         began: float | None = None,
+        phase: StartPhase | None = None,
     ):
         self.profile = profile
+        self.phase = phase
         self.settings = settings
         self.api_key = api_key
         self.identity = identity
@@ -208,18 +224,23 @@ class Watcher:
                 stop(reason)
 
         key = self.api_key.get_secret_value() if self.api_key else None
+        phase = self.phase
+        heartbeat = Heartbeat(lambda: phase.current if phase is not None else FIRST_PHASE, self.settings.ready_timeout)
         with StackClient(self.base_url, key) as client:
             try:
                 report = run_gate(
                     client, self.profile.served.base, self.profile.served.adapter, self.settings.ready_timeout, alive,
-                    instance=self.instance,
+                    instance=self.instance, on_wait=heartbeat,
                 )
             except (ReadinessError, httpx.TransportError) as exc:
-                report = ReadyReport(False, self.base_url, self.profile.model_ids, 0.0, error=str(exc))
+                error = str(exc)
+                if phase is not None and phase.current != FIRST_PHASE:  # where a start that ran out of time was
+                    error += f"; last phase in its output: {phase.current}"
+                report = ReadyReport(False, self.base_url, self.profile.model_ids, 0.0, error=error)
                 report.identity = self.identity
                 publish(report)
                 if alive():
-                    print(f"qwen38: ready: {exc}; stopping the engine (fail closed)", file=sys.stderr, flush=True)
+                    print(f"qwen38: ready: {error}; stopping the engine (fail closed)", file=sys.stderr, flush=True)
                     stop_engine()
                 return 1
         report.identity = self.identity
@@ -229,10 +250,9 @@ class Watcher:
         # The gate's seconds count from the engine's release (after verify and plan, which print
         # their own); the whole start is what a user waited.
         whole = "" if self.began is None else f" ({time.monotonic() - self.began:.1f} s since serve began)"
-        print(
+        say(
             f"qwen38: ready in {report.seconds:.1f} s{whole} at {self.base_url}/v1 "
-            f"(models: {', '.join(report.model_ids)}; API key: {key_note})",
-            flush=True,
+            f"(models: {', '.join(report.model_ids)}; API key: {key_note})"
         )
         self._watch(report, key, publish, alive, stopping, stop_engine)
         return 0

@@ -26,6 +26,7 @@ from entrypoint.plan import check_plannable, plan_engines
 from entrypoint.profiles import Profile
 from entrypoint.resolve import ResolvedEngine, check_allocator
 from entrypoint.settings import Settings
+from prepare.progress import say
 
 
 def run_preflight(profile: Profile, settings: Settings, resolved: ResolvedEngine) -> str:
@@ -39,7 +40,7 @@ def run_preflight(profile: Profile, settings: Settings, resolved: ResolvedEngine
         configs = None  # ...but a model that is not there is verify's to explain
 
     report = verify_profile(profile, settings)
-    print(f"qwen38: verified {profile.name} in {report.elapsed_s:.2f} s: {report.identity}", flush=True)
+    say(f"qwen38: verified {profile.name} in {report.elapsed_s:.2f} s: {report.identity}")
     if configs is None:
         configs = read_model_configs(profile, resolved, settings.models_dir)
         check_plannable(resolved, configs)
@@ -50,10 +51,9 @@ def run_preflight(profile: Profile, settings: Settings, resolved: ResolvedEngine
         raise PlanError(plan.refusal_line())
     how = "plan reused" if plan.reused else f"planned in {time.monotonic() - start:.1f} s"
     busy = "" if plan.fits_with_all_slots_busy else "; not every slot can hold a max-length request at once"
-    print(
+    say(
         f"qwen38: {how}: KV pool {plan.pool_tokens:,} tokens ({'patched' if plan.patched else 'stock'} vLLM), "
-        f"max concurrency {plan.max_concurrency:.2f}x at {plan.max_model_len:,} tokens{busy}",
-        flush=True,
+        f"max concurrency {plan.max_concurrency:.2f}x at {plan.max_model_len:,} tokens{busy}"
     )
     return report.identity
 
@@ -82,12 +82,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             from entrypoint.worker_gate import WorkerGate
 
             gate = WorkerGate(profile, settings, resolved, identity=identity)
-            print(f"qwen38: serving profile {profile.name} as worker host {resolved.parallel.node_rank} of "
-                  f"{resolved.parallel.nodes} (no API here; head {gate.head})", flush=True)
+            say(f"qwen38: serving profile {profile.name} as worker host {resolved.parallel.node_rank} of "
+                f"{resolved.parallel.nodes} (no API here; head {gate.head})")
         else:
-            gate = ready.Watcher(profile, settings, key, identity=identity, instance=start.instance, began=began)
-            print(f"qwen38: serving profile {profile.name} ({', '.join(profile.model_ids)}) on {gate.base_url}",
-                  flush=True)
+            gate = ready.Watcher(
+                profile, settings, key, identity=identity, instance=start.instance, began=began, phase=supervisor.phase
+            )
+            say(f"qwen38: serving profile {profile.name} ({', '.join(profile.model_ids)}) on {gate.base_url}")
     except BaseException:
         supervisor.abandon()
         raise

@@ -1,7 +1,7 @@
 """Settings: every user-facing knob, defined once.
 
 Read from the environment and a ``.env`` file (pydantic-settings). The field definitions
-below are the single source of truth: ``.env.example`` and the README's settings table are
+below are the single source of truth: ``.env.example`` and the settings table of docs/settings.md are
 generated from them (``qwen38 settings example|table``) and a test fails when they drift.
 Unknown keys in ``.env``, out-of-range values and conflicting knobs fail with one line.
 """
@@ -32,6 +32,7 @@ SECTIONS = {
     "paths": "Where models and caches live",
     "overrides": "Per-deployment overrides of the profile (empty: the profile decides)",
     "runtime": "Start-up behaviour",
+    "hub": "Downloads (prepare): the Hugging Face hub and models you already have",
     "parallel": "Several GPUs or hosts (`dual`, `spark-pair`: docs/dual.md); single-GPU profiles ignore these",
     "compose": "Containers: read by docker compose (compose.yaml), not by the server",
 }
@@ -47,7 +48,7 @@ def _knob(
     default: Any, section: str, description: str, example: str | None = None, shown: str | None = None, **kw: Any
 ):
     """A settings field with its documentation; `example` is the value shown in .env.example,
-    `shown` the default the README shows where the real one depends on the machine."""
+    `shown` the default docs/settings.md shows where the real one depends on the machine."""
     extra = {"section": section}
     if example is not None:
         extra["example"] = example
@@ -156,7 +157,50 @@ class Settings(BaseSettings):
     ready_timeout: float = _knob(
         1800.0, "runtime", "Seconds the readiness gate waits for a first start (compile + graphs).", ge=10, le=86400
     )
-    log_level: Literal["debug", "info", "warning", "error"] = _knob("info", "runtime", "Log level of vLLM and ours.")
+    log_level: Literal["debug", "info", "warning", "error"] = _knob(
+        "info",
+        "runtime",
+        "Log level of vLLM and of our own lines: at warning or error our progress and status lines (download, "
+        "sha256 and requantize progress, verified/planned/serving/ready, the start-up heartbeat, what prepare "
+        "did) are left out too; warnings and errors always print.",
+    )
+
+    allow_branch_head: bool = _knob(
+        False,
+        "hub",
+        "Let prepare pin a hub artifact whose lock entry names no revision: its main branch is resolved once, the "
+        "commit printed and recorded in MODELS_DIR/artifacts.local.toml (off: such an artifact is refused; a "
+        "branch is not a pin).",
+    )
+    models_seed_dir: Path | None = _knob(
+        None,
+        "hub",
+        "Models you already downloaded, read by prepare before the hub: a Hugging Face cache (e.g. "
+        "~/.cache/huggingface) or a folder of files (one per artifact, named like the repo); a file is used only "
+        "when its sha256 is the pinned one. In compose, the host folder mounted read-only into `prepare-*`.",
+        example="",
+    )
+    hf_endpoint: str | None = _knob(
+        None,
+        "hub",
+        "Hub endpoint prepare downloads from (a mirror; empty: https://huggingface.co). huggingface_hub reads it.",
+        example="",
+        pattern=r"^https?://\S+$",
+    )
+    # Proxy URLs may carry a password: held as secrets, never shown (huggingface_hub reads the environment).
+    https_proxy: SecretStr | None = _knob(
+        None, "hub", "Proxy for HTTPS downloads (prepare), passed into `prepare-*`.", example=""
+    )
+    http_proxy: SecretStr | None = _knob(None, "hub", "Proxy for plain-HTTP downloads (prepare).", example="")
+    no_proxy: str | None = _knob(None, "hub", "Hosts reached without the proxy (comma-separated).", example="")
+    hf_token_file: Path | None = _knob(
+        None,
+        "hub",
+        "Host file holding a Hugging Face token, for gated or private repos (compose mounts it into `prepare-*` "
+        "as the secret hf_token; empty: no token, enough for the pinned public models). Never put the token in "
+        ".env.",
+        example="",
+    )
 
     watchdog_stall_timeout: float = _knob(
         120.0,
@@ -268,22 +312,25 @@ class Settings(BaseSettings):
     image_rtx3090: str | None = _knob(
         None,
         "compose",
-        "Image of `single`/`long`/`dual` (empty: the published image pinned by digest in compose.yaml). "
-        "Set a plain tag (e.g. qwen38-stack:rtx3090) to build locally with `docker compose build`.",
+        "Image of `single`/`long`/`dual`. Empty: compose.yaml's default, the published image by digest once "
+        "`qwen38 image pin` has pinned one, until then a local tag that `up` builds from this checkout. "
+        "A plain tag of your own (e.g. qwen38-stack:rtx3090) builds locally; REPOSITORY:TAG@sha256:DIGEST pulls.",
         example="",
         pattern=IMAGE_REFERENCE,
     )
     image_spark: str | None = _knob(
         None,
         "compose",
-        "Image of `spark-lora`/`spark-pair` (empty: the published image pinned by digest in compose.yaml).",
+        "Image of `spark-lora`/`spark-pair`, as IMAGE_RTX3090 (empty: compose.yaml's default, pulled by digest "
+        "once published, built locally until then).",
         example="",
         pattern=IMAGE_REFERENCE,
     )
     image_cpu: str | None = _knob(
         None,
         "compose",
-        "Image of `cpu` (empty: the published image pinned by digest in compose.yaml).",
+        "Image of `cpu`, as IMAGE_RTX3090 (empty: compose.yaml's default, pulled by digest once published, "
+        "built locally until then).",
         example="",
         pattern=IMAGE_REFERENCE,
     )
@@ -394,6 +441,11 @@ def _describe(exc: ValidationError) -> str:
     loc = err["loc"]
     if err["type"] == "extra_forbidden":
         key = str(loc[0]).upper()
+        if key == "HF_TOKEN":
+            return (
+                "HF_TOKEN does not belong in .env (a file every container and log helper may read): write the "
+                "token to secrets/hf_token and set HF_TOKEN_FILE=./secrets/hf_token"
+            )
         known = [_env_name(f) for f in Settings.model_fields]
         close = difflib.get_close_matches(key, known, n=1)
         hint = f"; did you mean {close[0]}?" if close else f"; known settings: {', '.join(known)}"
@@ -573,9 +625,9 @@ def _cmd_settings(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "settings",
-        help="show the effective settings, or generate .env.example / the README table",
+        help="show the effective settings, or generate .env.example / the settings table",
         description="Show the effective settings (secrets masked), or print the generated "
-        ".env.example or README settings table.",
+        ".env.example or the settings table (docs/settings.md).",
     )
     parser.add_argument("action", nargs="?", choices=["show", "example", "table"], default="show")
     parser.set_defaults(func=_cmd_settings)

@@ -18,18 +18,27 @@ without reading it only while all of these hold:
 The cache lives under CACHE_DIR (the model directories are mounted read-only in the
 containers) and is keyed by the directory's real path. Losing or corrupting it only costs
 a full re-hash: it is never a reason to trust anything.
+
+Prepare fills it too (`leave_proofs`): what a `qwen38 prepare` command hashed while it
+downloaded or wrote a directory is recorded under these same rules, so the first
+`qwen38 verify` after it reads none of those bytes again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prepare.atomic import atomic_write_text
+from prepare.manifest import ManifestError, read_manifest
+from prepare.proofs import Ledger, Proof
 
 STAT_CACHE_VERSION = 1
+CACHE_FILE = Path("verify") / "stat-cache.json"  # under CACHE_DIR
 # Coarse-timestamp filesystems (FAT, some NFS, SMB) tick every 1-2 s; ext4/xfs/btrfs far
 # finer. Two seconds covers all of them.
 RACY_WINDOW_NS = 2_000_000_000
@@ -156,3 +165,84 @@ class StatCache:
         if self.path is not None and self.dirty:
             atomic_write_text(self.path, self.to_json())
             self.dirty = False
+
+
+# ---- what prepare proved ----------------------------------------------------------------
+
+
+def _sound(proof: Proof, st: os.stat_result, ledger: Ledger, vouched_at: int) -> bool:
+    """Whether ``proof`` speaks for the file that has ``st`` now (see `leave_proofs`)."""
+    if (proof.size, proof.mtime_ns) != (st.st_size, st.st_mtime_ns):
+        return False
+    if not proof.written_here and max(proof.mtime_ns, proof.ctime_ns) >= proof.started_ns - RACY_WINDOW_NS:
+        return False  # changed within the racy window before it was read: verify would not trust it either
+    if st.st_ctime_ns == proof.ctime_ns or ledger.is_our_ctime(st):
+        return True
+    # A file written here was renamed into place (a new ctime) before its manifest was written.
+    return proof.written_here and st.st_ctime_ns <= vouched_at
+
+
+def _adopted(st: os.stat_result, sha256: str, ledger: Ledger, cache: StatCache) -> list[Proof]:
+    """Entries of ``cache`` for this inode as it was right before this run hard-linked it."""
+    found = []
+    for before in ledger.stats_before_links(st):
+        stamp = FileStamp.of(before)
+        for entries in cache.dirs.values():
+            for entry in entries.files.values():
+                if entry.stamp == stamp and entry.sha256 == sha256 and not entry.racy:
+                    found.append(Proof(stamp.size, stamp.mtime_ns, stamp.ctime_ns, sha256, entry.hashed_at_ns, False))
+    return found
+
+
+def leave_proofs(
+    cache: StatCache,
+    ledger: Ledger,
+    *,
+    clock: Callable[[], int] = time.time_ns,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Record in ``cache`` every file of the directories ``ledger`` saw vouched for (a manifest
+    written) whose bytes the run proved; returns how many. A file is recorded only when:
+
+    - a proof of the ledger (or, for a file this run hard-linked, a cache entry for the stat it
+      had right before the link) has the manifest's sha256 for this inode, at its size and mtime;
+    - the proof is sound: the file lay where only this process writes (a staging file or
+      directory, so what it read back is what it wrote), or it had not changed for a racy
+      window before the read began (verify's own rule);
+    - nothing else changed the inode since: its ctime is the proof's, or one a hard link of
+      ours set, or (a file written here, then renamed into place) not later than its manifest;
+    - the entry will not be racy: recording waits until every file's last change is
+      `RACY_WINDOW_NS` old (at most that long, once), then reads each stamp again, which must
+      not have moved.
+    """
+    candidates: list[tuple[Path, str, str, str, FileStamp]] = []
+    for directory, vouched_at in ledger.directories().items():
+        try:
+            manifest = read_manifest(directory)
+        except ManifestError:
+            continue  # a staging directory that never made it into place, or one since replaced
+        for entry in manifest.files:
+            try:
+                st = os.stat(directory / entry.path)
+            except OSError:
+                continue
+            offered = ledger.proofs_of(st) + _adopted(st, entry.sha256, ledger, cache)
+            if any(p.sha256 == entry.sha256 and _sound(p, st, ledger, vouched_at) for p in offered):
+                candidates.append((directory, manifest.digest, entry.path, entry.sha256, FileStamp.of(st)))
+    if not candidates:
+        return 0
+    latest = max(max(stamp.mtime_ns, stamp.ctime_ns) for *_, stamp in candidates)
+    wait_ns = latest + RACY_WINDOW_NS + 1 - clock()
+    if wait_ns > 0:
+        sleep(wait_ns / 1e9)
+    recorded = 0
+    for directory, digest, rel, sha256, stamp in candidates:
+        seen_at = clock()
+        try:
+            again = FileStamp.of(os.stat(directory / rel))
+        except OSError:
+            continue
+        if again == stamp:
+            cache.record(directory, digest, rel, stamp, sha256, seen_at)
+            recorded += 1
+    return recorded

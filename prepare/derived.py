@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from entrypoint.errors import PrepareError
+from prepare import progress, proofs
 from prepare.atomic import atomic_directory
 from prepare.hashing import hash_files
 from prepare.identity import DerivedIdentity, GeneratedIdentity, InputRef
@@ -114,7 +115,8 @@ def local_input(directory: Path, role: str, *, only: Sequence[str] | None = None
         files = [p for p in files if p.relative_to(directory).as_posix() in wanted]
     if not files:
         raise PrepareError(f"{directory}: no files to prepare from")
-    digests = hash_files(files)
+    with progress.hashing(files, f"sha256 {directory} (no manifest: identified by content)") as bar:
+        digests = hash_files(files, progress=bar.update)
     identity = GeneratedIdentity(
         generator=LOCAL_GENERATOR,
         generator_version=LOCAL_GENERATOR_VERSION,
@@ -271,7 +273,9 @@ def place_file(src: Path, dst: Path) -> str:
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
+        before = os.stat(src)
         os.link(src, dst)
+        proofs.linked(src, before)  # the link changes the inode's ctime: that change is ours
         return "hardlink"
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -34,7 +35,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from entrypoint.errors import DownloadError
-from prepare.artifact_lock import LOCK_PATH, ArtifactLock, LockedArtifact, LockedFile, load_lock
+from prepare.artifact_lock import (
+    LOCK_PATH,
+    UNPINNED,
+    ArtifactLock,
+    LockedArtifact,
+    LockedFile,
+    effective_lock,
+    load_lock,
+)
+from prepare import progress, proofs
 from prepare.hashing import hash_files, sha256_file
 from prepare.manifest import MANIFEST_NAME, Manifest, ManifestError, content_files, read_manifest, write_manifest
 
@@ -86,12 +96,6 @@ def _exclusive(dest: Path) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def _progress_bar(total: int, desc: str):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=None, leave=False)
-
-
 def _is_current(dest: Path, expected: Manifest) -> bool:
     """The directory already carries the lock's manifest and every file has its size."""
     try:
@@ -133,6 +137,59 @@ def check_free_disk(dest: Path, needed: int, what: str) -> None:
 
 
 Fetch = Callable[[LockedFile, Path], None]
+
+
+def seed_candidates(artifact: LockedArtifact, entry: LockedFile, seed_dir: Path) -> list[Path]:
+    """Where a file of ``artifact`` may already lie under ``seed_dir``, with the pinned size.
+
+    A Hugging Face cache (``seed_dir`` is ``HF_HOME`` or its ``hub/``): the snapshot of the
+    pinned commit, or the blob named by the file's LFS sha256; or a folder of downloaded files:
+    ``seed_dir/<artifact key>/``, ``seed_dir/<repo name>/``, ``seed_dir/<owner>/<repo name>/`` or
+    ``seed_dir/`` itself. Nothing is trusted for its place: the caller keeps a candidate only
+    when its sha256 is the pinned one.
+    """
+    owner, _, name = (artifact.repo or "").partition("/")
+    places = []
+    for cache in (seed_dir, seed_dir / "hub"):
+        repo_dir = cache / f"models--{owner}--{name}"
+        places += [repo_dir / "snapshots" / str(artifact.revision) / entry.path, repo_dir / "blobs" / entry.sha256]
+    for base in (seed_dir / artifact.key, seed_dir / name, seed_dir / owner / name, seed_dir):
+        places.append(base / entry.path)
+    found: list[Path] = []
+    for place in places:
+        try:
+            if place.is_file() and place.stat().st_size == entry.size and place.resolve() not in found:
+                found.append(place.resolve())
+        except OSError:
+            continue
+    return found
+
+
+def _copy_hashing(src: Path, staging: Path) -> str:
+    """Copy ``src`` to ``staging`` and return the sha256 of the bytes copied (one read)."""
+    digest = hashlib.sha256()
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    with open(src, "rb") as reader, open(staging, "wb") as writer:
+        while chunk := reader.read(1 << 22):
+            digest.update(chunk)
+            writer.write(chunk)
+    return digest.hexdigest()
+
+
+def _seeded(artifact: LockedArtifact, seed_dir: Path, fallback: Fetch, say: Callable[[str], None]) -> Fetch:
+    """Take each file from ``seed_dir`` where a copy with the pinned sha256 lies there, else ``fallback``."""
+
+    def fetch(entry: LockedFile, staging: Path) -> None:
+        for candidate in seed_candidates(artifact, entry, seed_dir):
+            found = _copy_hashing(candidate, staging)
+            if found == entry.sha256:
+                say(f"{artifact.key}: {entry.path} taken from {candidate} (its sha256 is the pinned one)")
+                return
+            staging.unlink(missing_ok=True)
+            say(f"{artifact.key}: {candidate} is not the pinned {entry.path} (sha256 {found}); not used")
+        fallback(entry, staging)
+
+    return fetch
 
 
 def _hub_fetch(artifact: LockedArtifact, endpoint: str | None) -> Fetch:
@@ -182,11 +239,12 @@ def download_artifact(
     *,
     endpoint: str | None = None,
     source: Path | None = None,
+    seed_dir: Path | None = None,
     prune: bool = False,
     recheck: bool = False,
     jobs: int | None = None,
     lock_path: Path | str = LOCK_PATH,
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None] = progress.say,
 ) -> Manifest:
     """Make ``dest`` hold exactly the pinned ``artifact`` and its manifest (see the module doc)."""
     files = artifact.require_pinned(lock_path)
@@ -215,7 +273,7 @@ def download_artifact(
         # Files already in place count only when their bytes are the pinned ones.
         sized = [p for rel, p in present.items() if p.stat().st_size == pinned[rel].size]
         total = sum(p.stat().st_size for p in sized)
-        with _progress_bar(total, f"checking {artifact.key}") as bar:
+        with progress.Progress(f"{artifact.key}: sha256 of the files already in place", total) as bar:
             digests = hash_files(sized, jobs=jobs, progress=bar.update)
         good = {
             rel for rel, p in present.items() if p in digests and digests[p] == pinned[rel].sha256
@@ -233,6 +291,8 @@ def download_artifact(
 
         if artifact.source == "hub":
             fetch = _hub_fetch(artifact, endpoint)
+            if seed_dir is not None and pending:
+                fetch = _seeded(artifact, Path(seed_dir), fetch, say)
         elif source is not None:
             fetch = _local_fetch(artifact, source)
         elif pending:
@@ -250,8 +310,12 @@ def download_artifact(
             resumed = staged.get(entry.path, 0)
             note = f", resuming at {resumed / 1e9:.2f} GB" if 0 < resumed < entry.size else ""
             say(f"{artifact.key}: [{index}/{len(pending)}] {entry.path} ({entry.size / 1e9:.2f} GB{note})")
-            fetch(entry, staging)  # type: ignore[misc]
-            with _progress_bar(entry.size, f"sha256 {entry.path}") as bar:
+            # The hub draws its own bar in a terminal; without one, lines from the staging file's size.
+            with progress.watching(staging, f"{artifact.key}: download {entry.path}", entry.size, bar=False):
+                fetch(entry, staging)  # type: ignore[misc]
+            # Staged bytes are ours alone: what is hashed here is what was written (`prepare.proofs`).
+            with proofs.written_here(staging_dir), progress.Progress(f"{artifact.key}: sha256 {entry.path}",
+                                                                     entry.size) as bar:
                 found = sha256_file(staging, bar.update)
             size = staging.stat().st_size
             if size != entry.size or found != entry.sha256:
@@ -299,10 +363,12 @@ def resolve_targets(
 
 def _cmd_download(args: argparse.Namespace) -> int:
     from entrypoint.settings import load_settings
+    from prepare.pinning import branch_head_refusal, pin_at_first_use
 
     lock_path = Path(args.lock)
-    lock = load_lock(lock_path)
     settings = load_settings(profile=args.profile)
+    models_dir = Path(settings.models_dir)
+    lock = effective_lock(load_lock(lock_path), models_dir)
     targets = resolve_targets(args, lock, lock_path, settings.profiles_dir)
     source = Path(args.source) if args.source else None
     if source is not None:
@@ -311,14 +377,27 @@ def _cmd_download(args: argparse.Namespace) -> int:
             raise DownloadError("--from names the file of exactly one user-supplied artifact; name that one")
     # Check every pin before fetching anything: fail in the first second, not after 20 GB.
     for target in targets:
-        lock.get(target.artifact).require_pinned(lock_path)
-    for target in targets:
         artifact = lock.get(target.artifact)
+        refusal = None if settings.allow_branch_head else branch_head_refusal(artifact, lock_path)
+        if refusal is not None:
+            raise DownloadError(refusal)
+        if not artifact.pinned_at_first_use and artifact.revision != UNPINNED:
+            artifact.require_pinned(lock_path)
+    seed_dir = Path(args.seed) if args.seed else settings.models_seed_dir
+    for target in targets:
+        artifact = pin_at_first_use(
+            lock.get(target.artifact),
+            models_dir,
+            allow_branch_head=settings.allow_branch_head,
+            endpoint=args.endpoint,
+            lock_path=lock_path,
+        )
         download_artifact(
             artifact,
-            Path(settings.models_dir) / target.dir,
+            models_dir / target.dir,
             endpoint=args.endpoint,
             source=source if artifact.source == "local" else None,
+            seed_dir=seed_dir,
             prune=args.prune,
             recheck=args.recheck,
             jobs=args.jobs,
@@ -340,6 +419,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--profile", help="download every artifact slot of this profile")
     parser.add_argument("--from", dest="source", metavar="PATH", help="copy a user-supplied artifact from here")
     parser.add_argument("--endpoint", help="hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
+    parser.add_argument(
+        "--seed",
+        metavar="DIR",
+        help="take files already downloaded from here when their sha256 is the pinned one: a Hugging Face "
+        "cache or a folder of files (default: MODELS_SEED_DIR)",
+    )
     parser.add_argument("--prune", action="store_true", help="delete files in the directory the lock does not list")
     parser.add_argument(
         "--recheck",

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from prepare import proofs
 
 # 4 MiB: large enough that the per-call overhead vanishes, small enough to stay in L2/L3
 # while OpenSSL digests it (measured in `qwen38 bench verify`).
@@ -27,11 +30,16 @@ def available_cores() -> int:
 
 
 def sha256_file(path: Path | str, progress: Callable[[int], None] | None = None) -> str:
-    """Hex sha256 of a file's content; ``progress(n)`` is called with each chunk's size."""
+    """Hex sha256 of a file's content; ``progress(n)`` is called with each chunk's size.
+
+    While a prepare command records (`prepare.proofs`), the digest is noted with the file's
+    stat from before the read, for verify's stat cache."""
     digest = hashlib.sha256()
     buffer = bytearray(CHUNK_BYTES)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as handle:
+        before = os.fstat(handle.fileno())
+        started = time.time_ns()
         if hasattr(os, "posix_fadvise"):
             # Tell the kernel we read front to back: it doubles the readahead window.
             os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -39,7 +47,9 @@ def sha256_file(path: Path | str, progress: Callable[[int], None] | None = None)
             digest.update(view[:n])
             if progress is not None:
                 progress(n)
-    return digest.hexdigest()
+    found = digest.hexdigest()
+    proofs.note_hash(path, before, found, started)
+    return found
 
 
 def _size_or_zero(path: Path) -> int:
@@ -59,7 +69,7 @@ def hash_files(
     """sha256 of every path, ``jobs`` files at a time (default: the usable cores).
 
     Largest files start first so one big shard does not run alone at the end.
-    ``progress`` must be thread-safe (tqdm's ``update`` is). With ``return_errors`` a file
+    ``progress`` must be thread-safe (`prepare.progress.Progress.update` is). With ``return_errors`` a file
     that cannot be read maps to its `OSError` instead of raising.
     """
     ordered = sorted(set(paths), key=_size_or_zero, reverse=True)

@@ -7,7 +7,9 @@
   ``--revision REV`` pins a new revision first (a branch or tag is resolved to its commit).
 - ``qwen38 lock update KEY --from PATH`` pins a ``local`` artifact (user-supplied, no repo)
   by hashing the user's own file or directory.
-- ``qwen38 lock status`` lists every artifact and what is still unpinned.
+- ``qwen38 lock show`` (or ``status``) lists every artifact, where its pin came from (the
+  repository lock, this machine's first use, the owner's ALLOW_BRANCH_HEAD) and what is
+  still unpinned.
 
 - ``qwen38 lock deps`` regenerates the images' hash-pinned Python package locks under
   ``docker/lock/`` (uv's cross-platform resolver) and their wheel listings;
@@ -19,86 +21,11 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 from pathlib import Path
 
 from entrypoint.errors import ArtifactError, DependencyLockError
-from prepare.artifact_lock import (
-    LOCK_PATH,
-    UNPINNED,
-    LockedArtifact,
-    LockedFile,
-    load_lock,
-    write_lock,
-)
-from prepare.hashing import hash_files, sha256_file
-from prepare.manifest import content_files
-
-
-def _is_hidden(path: str) -> bool:
-    return any(part.startswith(".") for part in path.split("/"))
-
-
-def pin_hub_artifact(
-    artifact: LockedArtifact, *, revision: str | None = None, endpoint: str | None = None
-) -> LockedArtifact:
-    """``artifact`` with its revision resolved to a commit and every file pinned from the hub."""
-    from prepare import hub
-
-    if artifact.source != "hub":
-        raise ArtifactError(f"artifact {artifact.key} is local: pin it with `{artifact.pin_command()}`")
-    wanted = revision or artifact.revision
-    if wanted is None or wanted == UNPINNED:
-        raise ArtifactError(
-            f"artifact {artifact.key} has no revision to pin; pass `--revision COMMIT` (a branch is resolved)"
-        )
-    remote = hub.list_revision(artifact.repo, wanted, endpoint=endpoint)  # type: ignore[arg-type]
-    files: list[LockedFile] = []
-    for entry in remote.files:
-        if _is_hidden(entry.path) or artifact.excludes(entry.path):
-            continue
-        if entry.lfs_sha256 is not None:
-            files.append(LockedFile(path=entry.path, size=entry.size, sha256=entry.lfs_sha256))
-        else:
-            repo: str = artifact.repo  # type: ignore[assignment]
-            data = hub.fetch_small_file(repo, remote.commit, entry, endpoint=endpoint)
-            files.append(LockedFile(path=entry.path, size=len(data), sha256=hashlib.sha256(data).hexdigest()))
-    if not files:
-        raise ArtifactError(f"{artifact.repo}@{remote.commit}: no files to pin (all hidden or excluded)")
-    return artifact.model_copy(update={"revision": remote.commit, "files": tuple(sorted(files, key=lambda f: f.path))})
-
-
-def pin_local_artifact(artifact: LockedArtifact, source: Path) -> LockedArtifact:
-    """``artifact`` pinned to the sha256 of the user's own file (or every file of a directory)."""
-    if artifact.source != "local":
-        raise ArtifactError(f"artifact {artifact.key} comes from the hub; `--from` pins local artifacts only")
-    if source.is_file():
-        files = [LockedFile(path=source.name, size=source.stat().st_size, sha256=sha256_file(source))]
-    elif source.is_dir():
-        paths = content_files(source)
-        if not paths:
-            raise ArtifactError(f"--from {source}: the directory holds no files")
-        digests = hash_files(paths)
-        files = [
-            LockedFile(path=p.relative_to(source).as_posix(), size=p.stat().st_size, sha256=digests[p])
-            for p in paths
-        ]
-    else:
-        raise ArtifactError(f"--from {source}: no such file or directory")
-    return artifact.model_copy(update={"files": tuple(sorted(files, key=lambda f: f.path))})
-
-
-def describe_change(old: LockedArtifact, new: LockedArtifact) -> str:
-    before = {} if isinstance(old.files, str) else {f.path: f for f in old.files}
-    after = {f.path: f for f in new.files}  # type: ignore[union-attr]
-    added = len(set(after) - set(before))
-    removed = len(set(before) - set(after))
-    changed = sum(1 for p in set(after) & set(before) if after[p] != before[p])
-    rev = f" @ {new.revision}" if new.revision else ""
-    return (
-        f"{new.key}{rev}: {len(after)} files, {new.total_size / 1e9:.2f} GB pinned "
-        f"(+{added} added, -{removed} removed, {changed} changed)"
-    )
+from prepare.artifact_lock import LOCK_PATH, effective_lock, load_lock, local_lock_path, write_lock
+from prepare.pinning import describe_change, pin_hub_artifact, pin_local_artifact
 
 
 def _cmd_update(args: argparse.Namespace) -> int:
@@ -122,16 +49,26 @@ def _cmd_update(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_status(args: argparse.Namespace) -> int:
+def _cmd_show(args: argparse.Namespace) -> int:
+    from entrypoint.settings import load_settings
+
     lock_path = Path(args.lock)
-    lock = load_lock(lock_path)
+    models_dir = Path(args.models_dir) if args.models_dir else Path(load_settings().models_dir)
+    lock = effective_lock(load_lock(lock_path), models_dir)
+    print(f"repository lock: {lock_path}")
+    print(f"machine-local lock: {local_lock_path(models_dir)}")
     unpinned = 0
     for key in sorted(lock.artifacts):
         art = lock.artifacts[key]
         what = art.unpinned()
         where = f"{art.repo}@{art.revision}" if art.source == "hub" else "local"
         if what is None:
-            print(f"pinned    {key}  {where}  {len(art.files)} files, {art.total_size / 1e9:.2f} GB")
+            print(f"pinned    {key}  {where}  {len(art.files)} files, {art.total_size / 1e9:.2f} GB; "
+                  f"from: {art.provenance}")
+        elif art.pinned_at_first_use:
+            known = f" ({len(art.known)} file hashes known)" if art.known else ""
+            print(f"at first use  {key}  {where}  the first prepare reads its files from the hub's listing of "
+                  f"this commit{known}")
         else:
             unpinned += 1
             print(f"UNPINNED  {key}  {where}  {what}; pin with `{art.pin_command()}`")
@@ -198,10 +135,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     update.add_argument("--lock", default=str(LOCK_PATH), help=argparse.SUPPRESS)
     update.set_defaults(func=_cmd_update)
 
-    status = actions.add_parser("status", help="list artifacts and what is still unpinned")
-    status.add_argument("--strict", action="store_true", help="exit 1 when anything is unpinned")
-    status.add_argument("--lock", default=str(LOCK_PATH), help=argparse.SUPPRESS)
-    status.set_defaults(func=_cmd_status)
+    for name in ("show", "status"):
+        show = actions.add_parser(
+            name,
+            help="list every artifact, its pin and where the pin came from"
+            + (" (the same as `show`)" if name == "status" else ""),
+            description="List every artifact with its revision, files and where its pin came from: the "
+            "repository lock, this machine's first use (MODELS_DIR/artifacts.local.toml) or the owner's "
+            "ALLOW_BRANCH_HEAD; and what is still unpinned, with the command that pins it.",
+        )
+        show.add_argument("--strict", action="store_true", help="exit 1 when anything is unpinned")
+        show.add_argument("--models-dir", help="whose machine-local lock to read (default: MODELS_DIR)")
+        show.add_argument("--lock", default=str(LOCK_PATH), help=argparse.SUPPRESS)
+        show.set_defaults(func=_cmd_show)
 
     deps = actions.add_parser(
         "deps",

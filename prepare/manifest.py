@@ -34,7 +34,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from entrypoint.errors import PrepareError, VerifyError
-from prepare.atomic import atomic_write_text
+from prepare import progress, proofs
+from prepare.atomic import atomic_write_text, destination_name
 from prepare.hashing import hash_files, sha256_file
 from prepare.identity import (
     SHA256_RE,
@@ -247,7 +248,9 @@ def write_manifest(
     present = {p.relative_to(directory).as_posix(): p for p in content_files(directory)}
     if files is None:
         known = trusted_links(directory, {rel: f for rel, f in (linked or {}).items() if rel in present})
-        digests = hash_files([p for rel, p in present.items() if rel not in known], jobs=jobs)
+        unknown = [p for rel, p in present.items() if rel not in known]
+        with progress.hashing(unknown, f"sha256 {destination_name(directory)}") as bar:
+            digests = hash_files(unknown, jobs=jobs, progress=bar.update)
         known.update({rel: digests[p] for rel, p in present.items() if rel not in known})
     else:
         if linked:
@@ -263,6 +266,7 @@ def write_manifest(
     entries = [ManifestFile(path=rel, size=present[rel].stat().st_size, sha256=known[rel]) for rel in sorted(present)]
     manifest = build_manifest(identity, entries)
     atomic_write_text(directory / MANIFEST_NAME, manifest.to_json())
+    proofs.vouched(directory)
     return manifest
 
 

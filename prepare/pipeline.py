@@ -35,7 +35,8 @@ from pathlib import Path
 
 from entrypoint.errors import PrepareError
 from entrypoint.profiles import ModelSlot, Profile
-from prepare.artifact_lock import LOCK_PATH, ArtifactLock, load_lock
+from prepare.artifact_lock import LOCK_PATH, UNPINNED, ArtifactLock, effective_lock, load_lock
+from prepare import progress
 from prepare.manifest import MANIFEST_NAME
 
 
@@ -107,13 +108,23 @@ def plan_profile(profile: Profile, models_dir: Path) -> list[Step]:
     return tiny + downloads + derived
 
 
-def check_plan(steps: list[Step], lock: ArtifactLock, lock_path: Path | str) -> None:
-    """Refuse, before any work, what cannot be done: unpinned artifacts, missing transforms."""
+def check_plan(steps: list[Step], lock: ArtifactLock, lock_path: Path | str, allow_branch_head: bool = False) -> None:
+    """Refuse, before any work, what cannot be done: unpinned artifacts, missing transforms.
+
+    An artifact the repository lock pins by commit only passes (prepare pins its files at
+    first use); one with no revision only with ``allow_branch_head``."""
+    from prepare.pinning import branch_head_refusal
     from prepare.transforms import transform_module
 
     for step in steps:
         if step.action == "download":
-            lock.get(step.artifact, lock_path).require_pinned(lock_path)  # type: ignore[arg-type]
+            artifact = lock.get(step.artifact, lock_path)  # type: ignore[arg-type]
+            refusal = None if allow_branch_head else branch_head_refusal(artifact, lock_path)
+            if refusal is not None:
+                raise PrepareError(refusal)
+            if artifact.source == "local" or artifact.revision != UNPINNED:
+                if not artifact.pinned_at_first_use:
+                    artifact.require_pinned(lock_path)
     for step in steps:
         if step.action not in ("download", "tiny"):
             try:
@@ -153,11 +164,43 @@ def _run_tiny(step: Step, models_dir: Path, recheck: bool, tiny_slots: list[Step
     return True
 
 
+@dataclass(frozen=True)
+class HubAccess:
+    """How prepare reaches files it does not have: the hub's endpoint, a directory of files
+    already downloaded, and whether an artifact with no revision may pin its branch head."""
+
+    endpoint: str | None = None
+    seed_dir: Path | None = None
+    allow_branch_head: bool = False
+
+
+def _pin_artifacts(
+    steps: list[Step], lock: ArtifactLock, models_dir: Path, hub: HubAccess, lock_path: Path | str, say
+) -> ArtifactLock:
+    """The lock with every downloaded artifact's files pinned (read from the hub at first use)."""
+    from prepare.pinning import pin_at_first_use
+
+    for key in dict.fromkeys(step.artifact for step in steps if step.action == "download"):
+        artifact = lock.get(key, lock_path)  # type: ignore[arg-type]
+        if not artifact.is_pinned:
+            lock = lock.with_artifact(
+                pin_at_first_use(
+                    artifact,
+                    models_dir,
+                    allow_branch_head=hub.allow_branch_head,
+                    endpoint=hub.endpoint,
+                    lock_path=lock_path,
+                    say=say,
+                )
+            )
+    return lock
+
+
 def _run_download(
     step: Step,
     lock: ArtifactLock,
     lock_path: Path | str,
-    endpoint: str | None,
+    hub: HubAccess,
     recheck: bool,
     say: Callable[[str], None],
 ) -> bool:
@@ -166,7 +209,15 @@ def _run_download(
     artifact = lock.get(step.artifact, lock_path)  # type: ignore[arg-type]
     if is_current(step.directory, artifact) and (not recheck or _files_match(step.directory)):
         return False
-    download_artifact(artifact, step.directory, endpoint=endpoint, lock_path=lock_path, recheck=recheck, say=say)
+    download_artifact(
+        artifact,
+        step.directory,
+        endpoint=hub.endpoint,
+        seed_dir=hub.seed_dir,
+        lock_path=lock_path,
+        recheck=recheck,
+        say=say,
+    )
     return True
 
 
@@ -183,7 +234,8 @@ def _files_match(directory: Path) -> bool:
     if {p.relative_to(directory).as_posix() for p in content_files(directory)} != set(paths):
         return False  # a file missing, or one the manifest does not list
     try:
-        found = hash_files(paths.values())
+        with progress.hashing(list(paths.values()), f"recheck: sha256 of {directory}") as bar:
+            found = hash_files(paths.values(), progress=bar.update)
     except OSError:
         return False
     return all(found[paths[entry.path]] == entry.sha256 for entry in manifest.files)
@@ -231,7 +283,9 @@ def _run_adapter_build(step: Step, profile: Profile, lock: ArtifactLock, lock_pa
     if len(files) != 1:
         raise PrepareError(f"{lock_path}: artifact {step.artifact} pins {len(files)} files; adapter-build reads one")
     adapter = transform_module("adapter-build")
-    adapter.build_adapter(base, directions_dir / files[0].path, step.directory, force=step.directory.exists())
+    adapter.build_adapter(
+        base, directions_dir / files[0].path, step.directory, force=step.directory.exists(), progress=True
+    )
     return True
 
 
@@ -240,9 +294,9 @@ def prepare_profile(
     models_dir: Path,
     *,
     lock_path: Path | str = LOCK_PATH,
-    endpoint: str | None = None,
+    hub: HubAccess = HubAccess(),
     recheck: bool = False,
-    say: Callable[[str], None] = print,
+    say: Callable[[str], None] = progress.say,
 ) -> list[Step]:
     """Run every step the profile still needs; returns what was done (empty: nothing was needed).
 
@@ -254,10 +308,12 @@ def prepare_profile(
     steps = plan_profile(profile, models_dir)
     lock: ArtifactLock | None = None
     if any(step.artifact is not None for step in steps):
-        lock = load_lock(lock_path)
-        check_plan(steps, lock, lock_path)
+        lock = effective_lock(load_lock(lock_path), models_dir)
+        check_plan(steps, lock, lock_path, hub.allow_branch_head)
     with _one_preparer(models_dir):
-        return _run_steps(steps, profile, models_dir, lock, lock_path, endpoint, recheck, say)
+        if lock is not None:
+            lock = _pin_artifacts(steps, lock, models_dir, hub, lock_path, say)
+        return _run_steps(steps, profile, models_dir, lock, lock_path, hub, recheck, say)
 
 
 PREPARE_LOCK = ".qwen38-prepare.lock"
@@ -286,7 +342,7 @@ def _remove_staging_leftovers(steps: list[Step], say: Callable[[str], None]) -> 
             say(f"removed {removed}, left by an interrupted run")
 
 
-def _run_steps(steps, profile, models_dir, lock, lock_path, endpoint, recheck, say) -> list[Step]:
+def _run_steps(steps, profile, models_dir, lock, lock_path, hub, recheck, say) -> list[Step]:
     _remove_staging_leftovers(steps, say)
     tiny_slots = [step for step in steps if step.action == "tiny"]
     done: list[Step] = []
@@ -296,7 +352,7 @@ def _run_steps(steps, profile, models_dir, lock, lock_path, endpoint, recheck, s
                 continue  # one run of the generator writes (and one check covers) every tiny slot
             ran = _run_tiny(step, models_dir, recheck, tiny_slots)
         elif step.action == "download":
-            ran = _run_download(step, lock, lock_path, endpoint, recheck, say)  # type: ignore[arg-type]
+            ran = _run_download(step, lock, lock_path, hub, recheck, say)  # type: ignore[arg-type]
         elif step.action == "requantize-int8":
             ran = _run_requantize(step, recheck, say)
         elif step.action == "adapter-build":

@@ -518,7 +518,7 @@ def requantize_checkpoint(
         # Workers parallelise over row blocks; one intra-op thread each avoids
         # oversubscribing (and OpenMP spin-waits on a busy machine).
         torch.set_num_threads(1)
-        bar = _progress(sum(t.rows * t.cols * DTYPE_SIZES[t.dtype] for t in plan.tensors), progress)
+        bar = _progress(sum(t.rows * t.cols * DTYPE_SIZES[t.dtype] for t in plan.tensors), progress, dst)
         try:
             with derived_directory(dst, identity) as stage:
                 skip = {CONFIG_NAME, INDEX_NAME, MANIFEST_NAME, *plan.shard_specs}
@@ -548,20 +548,11 @@ def requantize_checkpoint(
     return result
 
 
-class _NoProgress:
-    def update(self, n: int) -> None:
-        pass
+def _progress(total: int, enabled: bool, dst: Path) -> Any:
+    """Bytes of the tables being requantized (a bar in a terminal, else a line every 20 s)."""
+    from prepare.progress import Progress
 
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return _NoProgress()
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc="requantize", disable=None, leave=False)
+    return Progress(f"requantize {dst.name}: int8 tables", total, shown=enabled)
 
 
 # ----------------------------------------------------------------------------- CLI

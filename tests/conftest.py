@@ -70,6 +70,40 @@ def _triton_core_for_the_interpreter() -> None:
 _triton_core_for_the_interpreter()
 
 
+# What belongs to the machine, not to an owner's deployment: kept from the caller's shell.
+MACHINE_KNOBS = {"CUDA_VISIBLE_DEVICES", "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY"}
+# huggingface_hub's own variables a user of the hub may have exported (tests bring their hub).
+HUB_VARIABLES = {"HF_TOKEN", "HF_TOKEN_PATH", "HF_ENDPOINT", "HF_HUB_OFFLINE", "HF_HUB_ENABLE_HF_TRANSFER"}
+
+
+def _hermetic_environment() -> None:
+    """The suite is hermetic to the caller's shell: none of our knobs (VLLM_API_KEY,
+    API_KEY_FILE, PROFILE, PORT, ...) and none of the hub's variables reach a test or a process
+    it starts. Each test sets what it needs. (Seen 2026-12-06: with VLLM_API_KEY exported, a
+    compose test failed with "VLLM_API_KEY and API_KEY_FILE are both set".)"""
+    from entrypoint.settings import Settings
+
+    unset = ({name.upper() for name in Settings.model_fields} - MACHINE_KNOBS) | HUB_VARIABLES
+    for name in [name for name in os.environ if name.upper() in unset]:
+        del os.environ[name]
+
+
+_hermetic_environment()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _neutral_working_directory(tmp_path_factory) -> Iterator[Path]:
+    """Tests run in an empty directory, not the checkout: a `.env` an owner keeps beside the
+    checkout (the README's setup copies one there) is not read by a test's settings."""
+    where = tmp_path_factory.mktemp("cwd")
+    saved = os.getcwd()
+    os.chdir(where)
+    try:
+        yield where
+    finally:
+        os.chdir(saved)
+
+
 def pytest_configure(config) -> None:
     from tests.support.avx2_kernels import problem_with_switch
 
@@ -88,7 +122,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     """The test process's environment without any of our knobs, plus ``extra``."""
     from entrypoint.settings import Settings
 
-    knobs = {name.upper() for name in Settings.model_fields}
+    knobs = {name.upper() for name in Settings.model_fields} - MACHINE_KNOBS | {"CUDA_VISIBLE_DEVICES"}
     env = {k: v for k, v in os.environ.items() if k.upper() not in knobs}
     # The checkout first; a PYTHONPATH that brings vLLM (the GPU machine's payload) stays.
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -98,7 +132,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 300):
     return subprocess.run(
-        [*QWEN38, *args], env=env or clean_env(), cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout
+        [*QWEN38, *args], env=env or clean_env(), cwd=cwd or os.getcwd(), capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -246,7 +280,7 @@ CACHE_PREFIX_TOKENS = 1950
 
 # The session's `cpu` servers, by fixture name: settings over the profile's defaults.
 SESSION_SERVERS = {
-    "cpu_server": {},
+    "cpu_server": {"QWEN38_HEARTBEAT_S": "5"},  # a start-up heartbeat every 5 s, not 30: test_cpu_profile reads it
     "cpu_spec_server": {"SPECULATION": "true", "PREFIX_CACHING": "false"},
     "cpu_lookup_server": {"SPECULATION": "true", "PREFIX_CACHING": "false", "LOOKUP": "true"},
 }

@@ -71,6 +71,7 @@ class FakeHub:
         self.failing = False
         self.throttle: float | None = None  # CDN bytes per second
         self.requests: list[tuple[str, str, str | None]] = []
+        self.authorizations: list[str | None] = []  # the Authorization header of each hub (not CDN) request
         self._servers: list[ThreadingHTTPServer] = []
         self.hub_url = ""
         self.cdn_url = ""
@@ -164,6 +165,8 @@ def _handler(hub: FakeHub, *, cdn: bool):
         def _route(self, head: bool) -> None:
             path = urlsplit(self.path).path
             hub.requests.append(("HEAD" if head else "GET", path, self.headers.get("Range")))
+            if not cdn:
+                hub.authorizations.append(self.headers.get("Authorization"))
             if cdn:
                 return self._cdn(path, head)
             if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/revision/([^/]+)", path):

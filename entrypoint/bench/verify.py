@@ -17,6 +17,14 @@ sparse files take no disk), pinned as a hub artifact in a lock, is fully verifie
 lock, stat cache, stat of every file, vLLM metadata, patch hook, status file). Timed in
 process (median of 5) and in a new process (verify's imports included; the settings and
 profile imports the launcher has already paid are timed apart).
+
+First (``--first-gb``, default 20): the first `qwen38 serve` after `qwen38 prepare`. N files
+of pseudo-random bytes are pinned as a user-supplied artifact and prepared by the real
+command in a new process (``qwen38 prepare download KEY --from DIR``: copied into staging,
+hashed, renamed into place, manifest written, and what it hashed left in the stat cache
+under its CACHE_DIR). The first `verify_profile` is then timed twice, each after evicting
+the files from the page cache: with a fresh stat cache (what every first start paid
+before prepare left its hashes: every byte read again) and with the cache prepare left.
 """
 
 from __future__ import annotations
@@ -238,22 +246,28 @@ print(t1 - t0, t2 - t1)
 """
 
 
-def warm_fixture(root: Path):
-    """The warm bench's profile (one pinned-artifact slot), settings and lock path."""
+def one_slot_profile(name: str, description: str, directory: str, artifact: str):
+    """A profile serving one pinned artifact from ``MODELS_DIR/directory``: what verify benches check."""
     from entrypoint.profiles import Profile
-    from entrypoint.settings import Settings
 
-    profile = Profile.model_validate(
+    return Profile.model_validate(
         {
-            "name": "bench-verify",
-            "description": "synthetic 15-file directory",
+            "name": name,
+            "description": description,
             "platform": "cpu",
             "machine": "any",
             "served": {"base": "bench"},
-            "models": {"target": {"dir": "warm", "artifact": "bench-synthetic"}},
+            "models": {"target": {"dir": directory, "artifact": artifact}},
             "engine": {"max_model_len": 4096, "max_num_seqs": 1},
         }
     )
+
+
+def warm_fixture(root: Path):
+    """The warm bench's profile (one pinned-artifact slot), settings and lock path."""
+    from entrypoint.settings import Settings
+
+    profile = one_slot_profile("bench-verify", "synthetic 15-file directory", "warm", "bench-synthetic")
     settings = Settings.model_construct(models_dir=root, cache_dir=root / "cache")
     return profile, settings, root / "artifacts.lock.toml"
 
@@ -333,6 +347,75 @@ def bench_warm(root: Path, total: int, nfiles: int, jobs: int) -> dict:
     return result
 
 
+def bench_first(root: Path, total: int, nfiles: int, jobs: int, drop: str) -> dict:
+    """The first verify after prepare: with a fresh stat cache, and with the one prepare left."""
+    from entrypoint.settings import Settings
+    from entrypoint.verify import verify_profile
+    from prepare.artifact_lock import ArtifactLock, LockedArtifact, LockedFile, write_lock
+
+    source = root / "first-source"
+    source.mkdir()
+    size = total // nfiles
+    names = [f"model-{i + 1:05d}-of-{nfiles:05d}.safetensors" for i in range(nfiles)]
+    print(f"first: writing {nfiles} files x {size / 1e9:.2f} GB to prepare from ...", flush=True)
+    digests = {name: _write_random_file(source / name, size, seed=1000 + i) for i, name in enumerate(names)}
+    key = "bench-first"
+    lock_path = root / "first.lock.toml"
+    files = tuple(LockedFile(path=name, size=size, sha256=digests[name]) for name in names)
+    write_lock(ArtifactLock(artifacts={key: LockedArtifact(key=key, source="local", files=files)}), lock_path)
+    models, prepared_cache = root / "first-models", root / "first-cache-prepared"
+
+    # The real command, in a new process, as the compose prepare service runs it.
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), MODELS_DIR=str(models),
+               CACHE_DIR=str(prepared_cache))
+    for knob in ("PROFILE", "PROFILES_DIR", "LOG_LEVEL"):
+        env.pop(knob, None)
+    command = [sys.executable, "-m", "entrypoint.cli", "prepare", "download", key, "--from", str(source),
+               "--lock", str(lock_path)]
+    start = time.perf_counter()
+    prepared = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True)
+    prepare_s = time.perf_counter() - start
+    if prepared.returncode != 0:
+        raise BenchError(f"`qwen38 prepare download` failed: {prepared.stderr.strip().splitlines()[-1:]}")
+    left = [line for line in prepared.stdout.splitlines() if "stat cache" in line]
+    print(f"first: prepare download (copy, sha256, rename, manifest) {prepare_s:6.1f} s; {' '.join(left)}", flush=True)
+    shutil.rmtree(source)
+
+    profile = one_slot_profile("bench-first", "synthetic directory, prepared by `qwen38 prepare download`", key, key)
+    paths = [models / key / name for name in names]
+
+    def first_verify(cache_dir: Path) -> dict:
+        drop_from_cache(paths, drop)
+        resident = resident_bytes(paths)
+        settings = Settings.model_construct(models_dir=models, cache_dir=cache_dir)
+        start = time.perf_counter()
+        report = verify_profile(profile, settings, jobs=jobs, lock_path=lock_path)
+        seconds = time.perf_counter() - start
+        d = report.dirs[0]
+        return {"seconds": round(seconds, 3), "hashed_files": d.hashed, "hashed_bytes": d.hashed_bytes,
+                "trusted_files": d.trusted, "resident_before": resident}
+
+    before = first_verify(root / "first-cache-fresh")
+    print(f"first: verify, fresh stat cache      {before['seconds']:7.2f} s  ({before['hashed_files']} files, "
+          f"{before['hashed_bytes'] / 1e9:.1f} GB hashed)", flush=True)
+    after = first_verify(prepared_cache)
+    print(f"first: verify, the cache prepare left {after['seconds']:7.2f} s  ({after['hashed_files']} files hashed, "
+          f"{after['trusted_files']} trusted)", flush=True)
+    if after["hashed_files"]:
+        raise BenchError(f"verify hashed {after['hashed_files']} files prepare had hashed: the stat cache did not hold")
+    shutil.rmtree(models)
+    return {
+        "files": nfiles,
+        "bytes": size * nfiles,
+        "drop": drop,
+        "command": " ".join(["qwen38", *command[3:]]),
+        "prepare_s": round(prepare_s, 3),
+        "first_verify_fresh_cache": before,
+        "first_verify_after_prepare": after,
+        "saved_s": round(before["seconds"] - after["seconds"], 3),
+    }
+
+
 def _cmd_bench_verify(args: argparse.Namespace) -> int:
     from prepare.hashing import available_cores
 
@@ -346,6 +429,12 @@ def _cmd_bench_verify(args: argparse.Namespace) -> int:
     if not args.skip_cold and free < cold_bytes * 1.2:
         shutil.rmtree(root)
         raise BenchError(f"{root}: the cold bench writes {args.cold_gb} GB, only {free / 1e9:.1f} GB free")
+    if not args.skip_first and free < args.first_gb * 1e9 * 2.1:
+        shutil.rmtree(root)
+        raise BenchError(
+            f"{root}: the first-verify bench needs {args.first_gb * 2:.0f} GB (the files and their prepared copy), "
+            f"only {free / 1e9:.1f} GB free; lower --first-gb or pass --skip-first"
+        )
     results: dict = {"machine": _machine(), "jobs": jobs}
     print(f"machine: {results['machine']}; verify threads: {jobs}", flush=True)
     try:
@@ -353,11 +442,15 @@ def _cmd_bench_verify(args: argparse.Namespace) -> int:
             results["cold"] = bench_cold(root, cold_bytes, args.cold_files, jobs, args.drop, args.repeat)
         if not args.skip_warm:
             results["warm"] = bench_warm(root, int(args.warm_gb * 1e9), args.warm_files, jobs)
+        if not args.skip_first:
+            results["first"] = bench_first(root, int(args.first_gb * 1e9), args.first_files, jobs, args.drop)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     if args.json:
         print(json.dumps(results, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return 0
 
 
@@ -386,7 +479,7 @@ def _machine() -> dict:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "verify",
-        help="start-up verification throughput (cold, vs cat/sha256sum) and warm restart time",
+        help="start-up verification throughput (cold, vs cat/sha256sum), warm restart time, first start after prepare",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     parser.add_argument("--dir", help="where to create the synthetic files (default: the temp dir)")
@@ -397,7 +490,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--jobs", type=int, default=None, help="verify threads (default: the usable cores)")
     parser.add_argument("--drop", choices=["fadvise", "global"], default="fadvise", help="how to evict the page cache")
     parser.add_argument("--repeat", type=int, default=3, help="interleaved cat/verify cold runs (median)")
+    parser.add_argument(
+        "--first-gb", type=float, default=20.0,
+        help="total size of the files prepared, then verified by a first start (GB; needs twice that free)",
+    )
+    parser.add_argument("--first-files", type=int, default=8)
     parser.add_argument("--skip-cold", action="store_true")
     parser.add_argument("--skip-warm", action="store_true")
+    parser.add_argument("--skip-first", action="store_true")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    parser.add_argument("--out", help="write the figures as JSON to this file")
     parser.set_defaults(func=_cmd_bench_verify)

@@ -5,6 +5,7 @@ against the settings and the rendered engine config, the secret, and the image p
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -15,9 +16,12 @@ from entrypoint.images import (
     PINNED_REFERENCE,
     PUBLISHED_REPOSITORY,
     compose_default,
+    is_pinned,
+    local_tag,
     pin_compose_image,
     project_version,
     published_tag,
+    unpin_compose_image,
 )
 from entrypoint.settings import Settings
 from tests.container.tools import COMPOSE_FILE, PROFILES, REPO, compose, compose_config
@@ -82,7 +86,45 @@ def test_server_waits_for_its_preparation_and_mounts_models_read_only(configs, p
     assert prepare_mounts["/models"]["source"] == "models" and not prepare_mounts["/models"].get("read_only")
     assert "deploy" not in prepare and prepare["restart"] == "no"
     assert prepare["healthcheck"] == {"disable": True}
-    assert set(configs[profile]["volumes"]) == {"models", "cache"}
+    assert set(configs[profile]["volumes"]) == {"models", "cache", "seed"}
+
+
+@pytest.mark.parametrize("profile", ["single", "spark-lora", "cpu"])
+def test_preparation_reaches_the_hub_with_the_owners_settings_and_a_token_only_as_a_secret(profile, tmp_path):
+    token = tmp_path / "hf_token"
+    token.write_text("hf_not_a_real_token\n")
+    seed = tmp_path / "hf-cache"
+    seed.mkdir()
+    env = {
+        "HF_ENDPOINT": "https://hub-mirror.example",
+        "HTTPS_PROXY": "http://proxy.example:3128",
+        "NO_PROXY": "localhost",
+        "HF_TOKEN_FILE": str(token),
+        "MODELS_SEED_DIR": str(seed),
+        "ALLOW_BRANCH_HEAD": "true",
+    }
+    default, chosen = compose_config(profile), compose_config(profile, env=env)
+    for config, values in ((default, {}), (chosen, env)):
+        prepare = config["services"][f"prepare-{profile}"]
+        environment = prepare["environment"]
+        assert environment["HF_ENDPOINT"] == values.get("HF_ENDPOINT", "https://huggingface.co")
+        assert environment["HTTPS_PROXY"] == values.get("HTTPS_PROXY", "")
+        assert environment["NO_PROXY"] == values.get("NO_PROXY", "")
+        assert environment["ALLOW_BRANCH_HEAD"] == values.get("ALLOW_BRANCH_HEAD", "false")
+        assert environment["HF_TOKEN_PATH"] == "/run/secrets/hf_token"
+        # The token is a file mounted as a secret, never a value compose renders or passes.
+        assert not any("TOKEN" in name and name != "HF_TOKEN_PATH" for name in environment)
+        assert [s["source"] for s in prepare["secrets"]] == ["hf_token"]
+        assert config["secrets"]["hf_token"]["file"] == values.get("HF_TOKEN_FILE", "/dev/null")
+        seed_mount = {v["target"]: v for v in prepare["volumes"]}["/seed"]
+        assert seed_mount["read_only"] is True and environment["MODELS_SEED_DIR"] == "/seed"
+        assert seed_mount["source"] == values.get("MODELS_SEED_DIR", "seed")
+        assert seed_mount["type"] == ("bind" if values else "volume")
+        # The server needs none of it: no token, no hub.
+        server = config["services"][profile]
+        assert "hf_token" not in [s["source"] for s in server.get("secrets", [])]
+        assert "HF_ENDPOINT" not in server["environment"]
+    assert "hf_not_a_real_token" not in json.dumps(chosen)
 
 
 @pytest.mark.parametrize("profile", ONE_GPU_PROFILES)
@@ -146,7 +188,8 @@ def test_stop_grace_period_outlasts_the_servers_drain(configs, profile, tmp_path
 def test_api_key_is_a_docker_secret_and_never_in_the_environment(configs, profile):
     config = configs[profile]
     server = config["services"][profile]
-    assert config["secrets"] == {"api_key": {"name": "qwen38-stack_api_key", "file": str(REPO / "secrets" / "api_key")}}
+    assert set(config["secrets"]) == {"api_key", "hf_token"}  # hf_token: prepare's, never a server's
+    assert config["secrets"]["api_key"] == {"name": "qwen38-stack_api_key", "file": str(REPO / "secrets" / "api_key")}
     assert server["secrets"] == [{"source": "api_key", "target": "/run/secrets/api_key"}]
     assert server["environment"]["API_KEY_FILE"] == "/run/secrets/api_key"
     for service in config["services"].values():
@@ -271,34 +314,70 @@ def test_every_variable_compose_reads_is_a_documented_setting():
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_images_default_to_pinned_published_images_and_build_locally(configs, profile):
+def test_images_default_to_a_pinned_published_image_or_a_local_tag_compose_builds(configs, profile):
+    """Each image's default is either the pushed image by digest (after `qwen38 image pin`) or,
+    until then, the plain local tag compose builds from `build:` when its pull fails: never a
+    digest nobody pushed (compose can neither pull nor build-and-tag one)."""
     spec = IMAGES[IMAGE_OF[profile]]
+    default = compose_default(COMPOSE_FILE.read_text(), spec)
     for name in (profile, f"prepare-{profile}"):
         service = configs[profile]["services"][name]
-        assert PINNED_REFERENCE.fullmatch(service["image"]), service["image"]
-        assert (
-            service["image"].split("@")[0]
-            == published_tag(spec)
-            == f"{PUBLISHED_REPOSITORY}:{project_version()}-{spec.name}"
-        )
+        assert service["image"] == default
+        if is_pinned(default):
+            published = f"{PUBLISHED_REPOSITORY}:{project_version()}-{spec.name}"
+            assert default.split("@")[0] == published_tag(spec) == published
+            assert not re.search(r"@sha256:0{64}$", default), "a zero digest is not a published image"
+        else:
+            assert default == local_tag(spec) == f"qwen38-stack:{project_version()}-{spec.name}"
+        # compose's default pull policy (`missing`): pull what is pinned, build what is not.
+        assert "pull_policy" not in service
         assert service["build"]["dockerfile"] == spec.dockerfile
         assert (Path(service["build"]["context"]) / spec.dockerfile).is_file()
         assert service["build"]["platforms"] == [spec.platform] and service["platform"] == spec.platform
     local = compose_config(profile, env={spec.compose_variable: f"qwen38-stack:{spec.name}"})
     assert local["services"][profile]["image"] == f"qwen38-stack:{spec.name}"
+    pulled = f"registry.example:5000/team/qwen38-stack:{spec.name}@sha256:" + "ef" * 32
+    assert compose_config(profile, env={spec.compose_variable: pulled})["services"][profile]["image"] == pulled
 
 
-def test_pinning_rewrites_only_that_images_default():
-    text = COMPOSE_FILE.read_text()
+def test_pinning_rewrites_only_that_images_default_and_unpinning_restores_the_local_tag():
+    text = unpin_compose_image(COMPOSE_FILE.read_text(), IMAGES["spark"])  # as before the first publish
+    assert compose_default(text, IMAGES["spark"]) == local_tag(IMAGES["spark"])
     reference = "ghcr.io/qwen38-stack/qwen38-stack:0.1.0-spark@sha256:" + "ab" * 32
     pinned = pin_compose_image(text, IMAGES["spark"], reference)
     assert compose_default(pinned, IMAGES["spark"]) == reference
     assert compose_default(pinned, IMAGES["rtx3090"]) == compose_default(text, IMAGES["rtx3090"])
     assert len(pinned.splitlines()) == len(text.splitlines())
+    repinned = pin_compose_image(pinned, IMAGES["spark"], reference.replace("ab" * 32, "12" * 32))
+    assert compose_default(repinned, IMAGES["spark"]).endswith("12" * 32)  # the next release replaces the pin
+    assert unpin_compose_image(pinned, IMAGES["spark"]) == text
     from entrypoint.errors import ImageError
 
-    with pytest.raises(ImageError, match="REPOSITORY:TAG@sha256"):
-        pin_compose_image(text, IMAGES["spark"], "ghcr.io/qwen38-stack/qwen38-stack:latest")
+    for wrong in ("ghcr.io/qwen38-stack/qwen38-stack:latest", "qwen38-stack:0.1.0-spark"):
+        with pytest.raises(ImageError, match="REPOSITORY:TAG@sha256"):
+            pin_compose_image(text, IMAGES["spark"], wrong)
+
+
+def test_pin_command_rewrites_a_copy_and_says_what_changed(tmp_path):
+    import subprocess
+    import sys
+
+    copy = tmp_path / "compose.yaml"
+    copy.write_text(unpin_compose_image(COMPOSE_FILE.read_text(), IMAGES["cpu"]))
+    reference = "127.0.0.1:5000/qwen38-stack:0.1.0-cpu@sha256:" + "cd" * 32
+    argv = [sys.executable, "-m", "entrypoint.cli", "image", "pin", "cpu", reference, "--compose", str(copy)]
+    first = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == (
+        f"compose.yaml: cpu now pulls {reference} (was: built locally as {local_tag(IMAGES['cpu'])})"
+    )
+    assert compose_default(copy.read_text(), IMAGES["cpu"]) == reference
+    again = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and again.stdout.strip() == f"compose.yaml: cpu already pins {reference}"
+    bad = subprocess.run([*argv[:-3], "qwen38-stack:mine", "--compose", str(copy)], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert bad.returncode != 0 and bad.stderr.strip().count("\n") == 0 and "REPOSITORY:TAG@sha256" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_pinned_compose_file_still_validates(tmp_path):

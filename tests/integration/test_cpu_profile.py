@@ -10,6 +10,7 @@ import re
 import pytest
 
 from entrypoint.client import StackClient
+from entrypoint.engine_output import FIRST_PHASE, PHASES
 from entrypoint.errors import ReadinessError
 from entrypoint.ready import run_gate
 from tests.conftest import CACHE_PREFIX_TOKENS, clean_env, run_cli
@@ -36,6 +37,13 @@ def test_serve_passes_the_readiness_gate(cpu_server):
     gate, whole = map(float, found.groups())
     assert 0 < gate <= whole
     assert cpu_server.api_key not in log
+    # While the gate waited, the heartbeat said what vLLM's own lines (passed through) showed it doing.
+    assert "Starting to load model" in log and "Application startup complete" in log
+    beats = re.findall(r"^qwen38: starting: (.+) \(((?:\d+ min )?\d+ s) in, ((?:\d+ min )?\d+ s) left of "
+                       r"READY_TIMEOUT\)$", log, re.MULTILINE)
+    assert beats, log[-3000:]
+    assert {phase for phase, _, _ in beats} <= {FIRST_PHASE} | {phase for _, phase in PHASES}, beats
+    assert any(phase != FIRST_PHASE for phase, _, _ in beats), beats  # read from the engine's output
 
 
 def test_validate_apis_passes_for_every_model_id(cpu_server):

@@ -16,17 +16,31 @@ mmdebstrap from a distribution mirror and ``docker import`` (the recipe of
 
 `build_image` runs ``docker build`` with the label build arguments, the host's CA bundle as the
 ``pip_cert`` secret, the build log kept under the test's work directory, and returns how long
-it took; `image_figures` reads the sizes the docs record.
+it took; `image_figures` reads the sizes the docs record. `wheel_mirror` serves a local
+find-links directory holding the CPU torch to a build over HTTP, where the PyTorch index is out
+of reach.
+
+`compose_docker_config` gives ``docker compose`` what it builds with: compose hands builds to
+Docker's buildx plugin (``buildx bake``, BuildKit) and, without one, falls back to the classic
+builder, which cannot build these Dockerfiles (``RUN --mount`` for the pip cache and the CA
+secret). Debian 12's docker.io ships no buildx, so unless one (0.17 or later, compose's minimum)
+is installed, Debian unstable's ``docker-buildx`` package is fetched with a private apt
+configuration (signature-checked against the Debian archive keyring, the host's apt state
+untouched) and put in a ``DOCKER_CONFIG`` directory under the test's work directory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import http.server
 import json
 import os
 import re
+import shutil
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -63,15 +77,16 @@ def started_daemon(root: Path) -> Iterator[PrivateDockerDaemon]:
 
 @dataclass
 class Record:
-    """What a run measured; written to ``work/result.json`` after every addition."""
+    """What a run measured; written to ``work/<name>`` after every addition."""
 
     work: Path
     figures: dict[str, object] = field(default_factory=dict)
+    name: str = "result.json"
 
     def add(self, **values: object) -> None:
         self.figures.update(values)
         self.work.mkdir(parents=True, exist_ok=True)
-        (self.work / "result.json").write_text(json.dumps(self.figures, indent=2) + "\n")
+        (self.work / self.name).write_text(json.dumps(self.figures, indent=2) + "\n")
 
 
 @dataclass(frozen=True)
@@ -214,3 +229,108 @@ def image_figures(daemon: PrivateDockerDaemon, tag: str, base: str) -> dict[str,
     venv = next((layer["Size"] for layer in layers if "/opt/venv /opt/venv" in layer["CreatedBy"]), None)
     return {"image_bytes": inspect["Size"], "base_image_bytes": base_inspect["Size"], "venv_layer": venv,
             "base_image": base}
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def wheel_mirror(port: int) -> Iterator[dict[str, str]]:
+    """Build arguments for torch's source: a local find-links directory over HTTP, if any."""
+    local = os.environ.get("QWEN38_WHEELS_DIR") or os.environ.get("PIP_FIND_LINKS", "")
+    directory = Path(local) if local and not local.startswith(("http:", "https:")) else None
+    if directory is None or not any(directory.glob("torch-2.13.0+cpu-*.whl")):
+        yield {}
+        return
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield {"TORCH_INDEX_URL": "", "WHEELS_URL": f"http://127.0.0.1:{port}/"}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# compose (v2.3x and later) refuses an older buildx: "compose build requires buildx 0.17.0 or later".
+BUILDX_MINIMUM = (0, 17)
+# Where the docker CLI, and compose after it, look for CLI plugins besides $DOCKER_CONFIG/cli-plugins.
+BUILDX_PLUGIN_DIRS = (
+    Path.home() / ".docker" / "cli-plugins",
+    Path("/usr/local/lib/docker/cli-plugins"),
+    Path("/usr/local/libexec/docker/cli-plugins"),
+    Path("/usr/lib/docker/cli-plugins"),
+    Path("/usr/libexec/docker/cli-plugins"),
+)
+DEBIAN_KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
+
+
+def buildx_version(plugin: Path) -> str | None:
+    """``docker-buildx version``'s version ("0.29.1+ds1"), or None where it does not run."""
+    try:
+        result = subprocess.run([str(plugin), "version"], capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+    fields = result.stdout.split()
+    return fields[1].lstrip("v") if result.returncode == 0 and len(fields) >= 2 else None
+
+
+def _new_enough(version: str | None) -> bool:
+    numbers = re.match(r"(\d+)\.(\d+)", version or "")
+    return numbers is not None and (int(numbers[1]), int(numbers[2])) >= BUILDX_MINIMUM
+
+
+def _debian_buildx(work: Path) -> Path:
+    """Debian unstable's docker-buildx plugin, unpacked under ``work`` (apt checks its signature)."""
+    apt = work / "apt"
+    for sub in ("lists/partial", "cache/archives/partial", "parts"):
+        (apt / sub).mkdir(parents=True, exist_ok=True)
+    if not DEBIAN_KEYRING.is_file():
+        raise RuntimeError(f"{DEBIAN_KEYRING} is missing: apt-get install -y debian-archive-keyring")
+    (apt / "sources.list").write_text(f"deb [signed-by={DEBIAN_KEYRING}] {debian_mirror()} unstable main\n")
+    options = [
+        "-q",
+        "-o", f"Dir::State::Lists={apt / 'lists'}",
+        "-o", f"Dir::Cache={apt / 'cache'}",
+        "-o", f"Dir::Etc::SourceList={apt / 'sources.list'}",
+        "-o", f"Dir::Etc::SourceParts={apt / 'parts'}",
+        "-o", "Dir::Etc::Preferences=/dev/null",
+        "-o", f"Dir::Etc::PreferencesParts={apt / 'parts'}",
+        "-o", "APT::Sandbox::User=root",
+    ]  # fmt: skip
+    for argv in (["apt-get", *options, "update"], ["apt-get", *options, "download", "docker-buildx"]):
+        result = subprocess.run(argv, cwd=apt, capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            step = f"apt-get {argv[-1]} docker-buildx" if argv[-1] == "download" else "apt-get update"
+            raise RuntimeError(f"{step} (Debian unstable) failed: {result.stderr.strip()[-500:]}")
+    deb = max(apt.glob("docker-buildx_*.deb"), key=lambda path: path.stat().st_mtime)
+    unpacked = apt / "docker-buildx"
+    shutil.rmtree(unpacked, ignore_errors=True)
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(unpacked)], check=True, capture_output=True)
+    return unpacked / "usr" / "libexec" / "docker" / "cli-plugins" / "docker-buildx"
+
+
+def compose_docker_config(work: Path, record: Record | None = None) -> Path:
+    """A DOCKER_CONFIG directory whose ``cli-plugins`` hold a buildx compose builds with."""
+    config = work / "docker-config"
+    target = config / "cli-plugins" / "docker-buildx"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    wanted = os.environ.get("QWEN38_BUILDX")
+    candidates = [Path(wanted)] if wanted else [target, *(d / "docker-buildx" for d in BUILDX_PLUGIN_DIRS)]
+    found = next((path for path in candidates if path.is_file() and _new_enough(buildx_version(path))), None)
+    if found is None and wanted:
+        raise RuntimeError(f"QWEN38_BUILDX={wanted}: not a docker-buildx plugin of version 0.17 or later")
+    if found is None:
+        found = _debian_buildx(work)
+    if found != target:
+        target.unlink(missing_ok=True)
+        shutil.copy2(found, target)
+    version = buildx_version(target)
+    if not _new_enough(version):
+        raise RuntimeError(f"{found}: buildx {version or '(does not run)'}; compose needs 0.17 or later")
+    if record is not None:
+        record.add(buildx_version=version)
+    return config

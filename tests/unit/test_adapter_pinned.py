@@ -24,7 +24,7 @@ from prepare.artifact_lock import LOCK_PATH, ArtifactLock, LockedFile, load_lock
 from prepare.directions import random_directions
 from prepare.download import default_dir, download_artifact
 from prepare.hashing import hash_files
-from prepare.lock import pin_local_artifact
+from prepare.pinning import pin_local_artifact
 from prepare.manifest import content_files, read_manifest, write_manifest
 from prepare.weight_formats import open_checkpoint
 from tests.pinning_support import make_settings
@@ -85,7 +85,8 @@ def pin_directory(lock: ArtifactLock, key: str, directory: Path, *, revision: st
     files = tuple(
         LockedFile(path=p.relative_to(directory).as_posix(), size=p.stat().st_size, sha256=digests[p]) for p in paths
     )
-    update = {"files": files, **({"revision": revision} if revision else {})}
+    # Generated stand-in bytes: the public hashes (`known`) of the real files do not apply to them.
+    update = {"files": files, "known": (), **({"revision": revision} if revision else {})}
     artifact = lock.get(key).model_copy(update=update)
     manifest = write_manifest(directory, artifact.identity(), files={f.path: f.sha256 for f in files})
     assert manifest == artifact.expected_manifest()

@@ -39,6 +39,26 @@ def test_committed_lock_lists_every_artifact_key_with_reference_revisions():
     assert lock.artifacts["qwen3.8-27b-mode-b-directions"].source == "local"
 
 
+def test_every_hub_artifact_of_the_committed_lock_names_its_public_commit_and_its_source():
+    """The owner's first run needs no reviewer who reaches the hub: each hub artifact is pinned by
+    commit (files read at first use where not listed), with the public source in its note."""
+    lock = load_lock()
+    revisions = {
+        "qwen3.8-27b-w4a16": "1f05c441c4e64ae0549de44fa9ea5a6d43610314",
+        "qwen3.8-27b-dflash2-w4a16": "4d30ec736ffc6b8688dc2ae2b502d9b48bdec279",
+        "qwen3.8-27b-dflash2": "50307d4c4cde6860d4eee73e2547cd786fe8e8a4",
+        "qwen3.8-27b-nvfp4": "319f741cce68d7914884900c138a1fbb70a42f30",
+    }
+    for key, revision in revisions.items():
+        artifact = lock.get(key)
+        assert artifact.revision == revision
+        assert artifact.is_pinned or artifact.pinned_at_first_use
+        assert "read 2026-12-06" in artifact.note and "/" in artifact.note
+    target = lock.get("qwen3.8-27b-w4a16")
+    assert len(target.known) == 9 and sum(f.size for f in target.known) == 19_472_769_333
+    assert {f.path for f in lock.get("qwen3.8-27b-dflash2").known} == {"config.json", "model.safetensors"}
+
+
 def test_committed_lock_is_in_canonical_layout():
     assert render_lock(load_lock()) == LOCK_PATH.read_text(encoding="utf-8")
 
@@ -46,8 +66,12 @@ def test_committed_lock_is_in_canonical_layout():
 @pytest.mark.parametrize(
     ("key", "what", "command"),
     [
-        ("qwen3.8-27b-nvfp4", "file sizes and sha256 are UNPINNED", "qwen38 lock update qwen3.8-27b-nvfp4`"),
-        ("qwen3.8-27b-w4a16", "revision is UNPINNED", "qwen38 lock update qwen3.8-27b-w4a16 --revision COMMIT"),
+        (
+            "qwen3.8-27b-nvfp4",
+            "pins commit 319f741cce68d7914884900c138a1fbb70a42f30 of RadixArk/Qwen3.8-27B-NVFP4; its files are read "
+            "from the hub's listing of that commit at first use, and this machine has not recorded them yet",
+            "run `qwen38 prepare download qwen3.8-27b-nvfp4`",
+        ),
         (
             "qwen3.8-27b-mode-b-directions",
             "file sizes and sha256 are UNPINNED",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -369,7 +370,8 @@ def test_a_local_artifact_is_imported_verified_or_refused(env):
     assert manifest.identity.source == "local" and manifest == artifact.expected_manifest()
 
 
-def test_cli_download_by_profile_then_verify(env, monkeypatch, capsys, no_racy_window):
+def _profile_p(env, monkeypatch) -> None:
+    """The artifact pinned, and profile `p` serving it from MODELS_DIR/served-base, as the CLI reads them."""
     from entrypoint import profiles
 
     _pinned(env)
@@ -384,6 +386,10 @@ def test_cli_download_by_profile_then_verify(env, monkeypatch, capsys, no_racy_w
     monkeypatch.chdir(env.tmp)
     monkeypatch.setenv("MODELS_DIR", str(env.settings.models_dir))
     monkeypatch.setenv("CACHE_DIR", str(env.settings.cache_dir))
+
+
+def test_cli_download_by_profile_then_verify(env, monkeypatch, capsys, no_racy_window):
+    _profile_p(env, monkeypatch)
     lock = ["--lock", str(env.lock_path)]
     assert main(["prepare", "download", "--profile", "p", "--endpoint", env.hub.hub_url, *lock]) == 0
     assert (env.settings.models_dir / "served-base" / SHARD1).read_bytes() == env.files[SHARD1]
@@ -401,3 +407,71 @@ def test_profile_downloads_only_slots_that_are_artifacts_as_downloaded():
         }
     )
     assert [(t.artifact, t.dir) for t in targets_for_profile(profile)] == [("d", "d")]
+
+
+# ---- what a person sees without a terminal, and what the first verify reads ---------------
+
+
+def test_a_download_without_a_terminal_prints_progress_lines(tmp_path, hub, monkeypatch, capsys):
+    """Through the real huggingface_hub client: the staging file's size is followed and a
+    plain line comes every PLAIN_EVERY_S (shortened here) while stdout and stderr are pipes."""
+    from prepare import progress
+
+    files = _repo_files(tmp_path, width=2048)  # 16 MiB shards: http_get writes 10 MiB at a time
+    hub.add_commit(REPO, COMMIT, files)
+    lock_path = tmp_path / "artifacts.lock.toml"
+    write_lock(ArtifactLock(artifacts={"base": LockedArtifact(key="base", source="hub", repo=REPO, revision=COMMIT,
+                                                              exclude=("*.md",))}), lock_path)
+    env = types.SimpleNamespace(hub=hub, lock_path=lock_path, settings=make_settings(tmp_path))
+    assert _lock_update(env) == 0
+    progress.set_level("info")
+    monkeypatch.setattr(progress, "PLAIN_EVERY_S", 0.2)
+    monkeypatch.setattr(progress, "WATCH_POLL_S", 0.05)
+    hub.throttle = 16 << 20  # about a second per shard
+    try:
+        _download(env)
+    finally:
+        hub.throttle = None
+        progress.set_level(None)
+    captured = capsys.readouterr()
+    assert not sys.stdout.isatty() and not sys.stderr.isatty()
+    size = len(files[SHARD1])
+    lines = captured.err.splitlines()
+    during = [line for line in lines if line.startswith(f"qwen38: base: download {SHARD1}: ") and "left" in line]
+    assert len(during) >= 2, captured.err
+    shape = re.compile(
+        rf"qwen38: base: download {SHARD1}: ([\d.]+ (?:B|kB|MB)) of {size / 1e6:.1f} MB \((\d+)%\), "
+        r"[\d.]+ (?:B|kB|MB)/s, (?:\d+ s left|time left unknown)"
+    )
+    assert all(shape.fullmatch(line) for line in during), during
+    assert any(int(shape.fullmatch(line).group(2)) > 0 for line in during), during  # it saw the file grow
+    closing = re.compile(rf"qwen38: base: download {SHARD1}: {size / 1e6:.1f} MB in \d+ s \([\d.]+ MB/s\)")
+    assert any(closing.fullmatch(line) for line in lines), captured.err
+
+
+def test_the_first_verify_after_prepare_reads_no_byte(env, monkeypatch):
+    """`qwen38 prepare download` leaves what it hashed in the stat cache under CACHE_DIR, with
+    the real racy window: verify then trusts every file and hashes none."""
+    import prepare.hashing
+    from entrypoint.stat_cache import CACHE_FILE
+
+    _profile_p(env, monkeypatch)
+    assert main(["prepare", "download", "--profile", "p", "--endpoint", env.hub.hub_url,
+                 "--lock", str(env.lock_path)]) == 0
+    assert (env.settings.cache_dir / CACHE_FILE).is_file()
+
+    reads = []
+    real = prepare.hashing.sha256_file
+    monkeypatch.setattr(prepare.hashing, "sha256_file", lambda path, *a, **k: reads.append(path) or real(path, *a, **k))
+    profile = make_profile({"target": {"dir": "served-base", "artifact": "base"}})
+    report = verify_profile(profile, env.settings, lock_path=env.lock_path)
+    assert reads == []
+    assert (report.dirs[0].hashed, report.dirs[0].trusted) == (0, len(_served(env.files)))
+    # The cache holds nothing verify would not have recorded itself: an altered file is still caught.
+    shard = env.settings.models_dir / "served-base" / SHARD1
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 1
+    shard.write_bytes(data)
+    with pytest.raises(VerifyFailed, match=f"{SHARD1}: sha256 expected"):
+        verify_profile(profile, env.settings, lock_path=env.lock_path)
+    assert reads == [shard]

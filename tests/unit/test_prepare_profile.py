@@ -19,7 +19,7 @@ from entrypoint.verify import VerifyFailed, verify_profile
 from prepare.artifact_lock import UNPINNED, LockedArtifact, LockedFile, load_lock, write_lock
 from prepare.identity import DerivedIdentity
 from prepare.manifest import MANIFEST_NAME, read_manifest, write_manifest
-from prepare.pipeline import plan_profile, prepare_profile
+from prepare.pipeline import HubAccess, plan_profile, prepare_profile
 from prepare.requantize import TRANSFORM_VERSION, requantize_checkpoint
 from prepare.generate import generate_model
 from tests.pinning_support import (  # noqa: F401 (hf_isolated, hub, no_racy_window are fixtures)
@@ -94,7 +94,7 @@ def stack(tmp_path, hub, upstream):
 
 def _prepare(stack, **kw):
     return prepare_profile(
-        stack.profile, stack.models, lock_path=stack.lock_path, endpoint=stack.hub.hub_url, say=lambda _: None, **kw
+        stack.profile, stack.models, lock_path=stack.lock_path, hub=HubAccess(endpoint=stack.hub.hub_url), say=lambda _: None, **kw
     )
 
 
@@ -220,15 +220,17 @@ def test_a_target_requantized_from_unpinned_local_files_is_not_served(stack, ups
     _verify(stack)
 
 
-def test_an_unpinned_artifact_stops_prepare_with_the_locks_message_before_any_request(stack):
+def test_an_artifact_without_a_revision_stops_prepare_before_any_request(stack):
     write_lock(
-        stack.lock.with_artifact(stack.lock.get(DRAFTER).model_copy(update={"files": UNPINNED})), stack.lock_path
+        stack.lock.with_artifact(stack.lock.get(DRAFTER).model_copy(update={"revision": UNPINNED, "files": UNPINNED})),
+        stack.lock_path,
     )
-    with pytest.raises(ArtifactError) as exc:
+    with pytest.raises(PrepareError) as exc:
         _prepare(stack)
     assert str(exc.value) == (
-        f"{stack.lock_path}: artifact {DRAFTER} is not pinned (its file sizes and sha256 are UNPINNED); "
-        f"pin it with `qwen38 lock update {DRAFTER}` and commit the lock"
+        f"{stack.lock_path}: artifact {DRAFTER} ({DRAFTER_REPO}) names no revision, and a branch is not a pin: pin a "
+        f"commit with `qwen38 lock update {DRAFTER} --revision COMMIT`, or set ALLOW_BRANCH_HEAD=true to let prepare "
+        "resolve its main branch once and record the commit on this machine"
     )
     assert stack.hub.requests == [] and not stack.models.exists()
 
@@ -259,7 +261,7 @@ def test_spark_lora_refuses_adapter_build_naming_the_command_before_any_download
             load_profile("spark-lora"),
             stack.models,
             lock_path=stack.lock_path,
-            endpoint=stack.hub.hub_url,
+            hub=HubAccess(endpoint=stack.hub.hub_url),
             say=lambda _: None,
         )
     message = str(exc.value)
@@ -285,6 +287,10 @@ def test_cli_prepare_profile_then_again_then_verify(stack, monkeypatch, capsys, 
     assert main(["verify", "--profile", "single", "--lock", str(stack.lock_path)]) == 2
     assert capsys.readouterr().err.strip().startswith(f"qwen38: verify: {PATCHES_ONLY}")
     assert (stack.models / PREPARED / MANIFEST_NAME).is_file()
+    # What prepare hashed, and the downloaded shards it hard-linked into the prepared target,
+    # are in the stat cache it left: the first verify of both served directories reads no byte.
+    report = verify_profile(stack.unpatched, stack.settings, lock_path=stack.lock_path)
+    assert [(d.hashed, d.trusted == d.files > 0) for d in report.dirs] == [(0, True), (0, True)]
 
 
 def test_prepare_cpu_generates_the_tiny_models_once_without_reading_the_lock(tmp_path, no_racy_window):

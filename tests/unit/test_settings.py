@@ -122,12 +122,14 @@ def test_env_example_is_generated_from_the_settings_and_has_not_drifted():
         assert f"\n{name.upper()}=" in committed
 
 
-def test_readme_tables_are_generated_and_have_not_drifted():
-    from entrypoint.generated_docs import render_readme
+def test_the_settings_and_profiles_tables_are_generated_and_have_not_drifted():
+    from entrypoint.generated_docs import SETTINGS_DOC, render_generated, render_readme
 
     readme = (REPO / "README.md").read_text()
     assert readme == render_readme(readme), "regenerate with `qwen38 docs`"
-    assert render_settings_table() in readme
+    settings_doc = SETTINGS_DOC.read_text()
+    assert settings_doc == render_generated(SETTINGS_DOC, settings_doc), "regenerate with `qwen38 docs`"
+    assert render_settings_table() in settings_doc
 
 
 def test_bad_setting_on_the_cli_is_one_line_and_no_traceback():

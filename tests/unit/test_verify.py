@@ -296,12 +296,22 @@ def test_a_manifest_rewritten_to_match_altered_bytes_is_caught_by_the_lock(pinne
 
 def test_an_unpinned_artifact_refuses_with_the_pin_command(pinned):
     write_lock(
-        ArtifactLock(artifacts={"base": pinned.artifact.model_copy(update={"files": "UNPINNED"})}),
+        ArtifactLock(artifacts={"base": pinned.artifact.model_copy(update={"revision": "UNPINNED", "files": "UNPINNED"})}),
         pinned.lock_path,
     )
     message = _fail(pinned)
-    assert "artifact base (target base) is not pinned (its file sizes and sha256 are UNPINNED)" in message
-    assert "`qwen38 lock update base`" in message
+    assert "artifact base (target base) is not pinned (its revision is UNPINNED)" in message
+    assert "`qwen38 lock update base --revision COMMIT`" in message
+
+
+def test_a_commit_whose_files_this_machine_has_not_recorded_names_prepare(pinned):
+    write_lock(ArtifactLock(artifacts={"base": pinned.artifact.model_copy(update={"files": "UNPINNED"})}), pinned.lock_path)
+    message = _fail(pinned)
+    assert (
+        f"artifact base pins commit {pinned.artifact.revision} of {pinned.artifact.repo}; its files are read from the "
+        "hub's listing of that commit at first use, and this machine has not recorded them yet: run "
+        "`qwen38 prepare --profile test`"
+    ) in message
 
 
 def test_a_profile_naming_an_artifact_the_lock_lacks_fails(pinned):
