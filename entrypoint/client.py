@@ -10,17 +10,13 @@ The API key travels as ``Authorization: Bearer`` (the stack's guard also takes A
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=30.0, pool=30.0)
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 class _UseDefault:
@@ -54,20 +50,29 @@ class Metrics:
 
 
 def parse_metrics(text: str) -> Metrics:
+    """Prometheus text exposition -> `Metrics`, keyed by sample name (``x_total``, ``x_bucket``...),
+    label values unescaped. Parsed by prometheus_client's own parser; a malformed line is skipped
+    (the rest of the scrape still counts)."""
+    from prometheus_client.parser import text_string_to_metric_families  # ~0.2 s to import: only when parsing
+
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if not match:
-            continue
-        name, raw_labels, raw_value = match.groups()
-        try:
-            value = float(raw_value)
-        except ValueError:
-            continue
-        labels = dict(_LABEL.findall(raw_labels or ""))
-        samples.setdefault(name, []).append((labels, value))
+
+    def add(families: Iterable[Any]) -> None:
+        for family in families:
+            for sample in family.samples:
+                samples.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+
+    try:
+        add(list(text_string_to_metric_families(text)))
+    except ValueError:  # one bad line spoils the whole parse: parse line by line, skipping the bad ones
+        samples.clear()
+        for line in text.splitlines():
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            try:
+                add(list(text_string_to_metric_families(line + "\n")))
+            except ValueError:
+                continue
     return Metrics(samples)
 
 

@@ -29,6 +29,7 @@ from entrypoint.errors import ProfileError, SettingsError
 from entrypoint.profiles import Profile
 from entrypoint.settings import Settings
 from entrypoint.topology import LinkReading
+from prepare.checkpoint import text_config
 
 # What the user can override, and the knob (environment name) that does it.
 KNOBS = {
@@ -408,12 +409,6 @@ def check_allocator(resolved: ResolvedEngine, alloc_conf: str) -> None:
 
 
 # ---- what the model itself allows (from its config.json; pure) -------------------------
-
-
-def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The language model's part of a (possibly multimodal) config.json."""
-    text = config.get("text_config")
-    return text if isinstance(text, Mapping) else config
 
 
 def max_positions(config: Mapping[str, Any]) -> int | None:

@@ -38,6 +38,7 @@ SECTIONS = {
 }
 
 MIN_API_KEY_LENGTH = 16
+BOTH_KEYS_SET = "VLLM_API_KEY and API_KEY_FILE are both set; set one of them"
 # An image reference: [registry/]name[:tag][@sha256:digest], lower-case name components.
 # A CUDA device as CUDA_VISIBLE_DEVICES and Docker name it: an index, a GPU UUID or a MIG UUID.
 GPU_ID = r"(\d+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-fA-F-/]+)"
@@ -402,7 +403,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _no_conflicts(self) -> Settings:
         if self.vllm_api_key is not None and self.api_key_file is not None:
-            raise ValueError("VLLM_API_KEY and API_KEY_FILE are both set; set one of them")
+            raise ValueError(BOTH_KEYS_SET)
         if not self.has_api_key and not is_loopback(self.host):
             raise ValueError(
                 f"HOST={self.host} would expose the API without a key: "
@@ -511,7 +512,7 @@ def load_settings_profile(settings: Settings):
 DOCKER_SECRETS_DIR = Path("/run/secrets")
 
 
-def check_key_file_mode(path: Path) -> None:
+def check_key_file_mode(path: Path, source: str | None = None) -> None:
     """Refuse a key file other users can write; warn when every user can read it.
 
     Owner read/write and group read are fine. World-readable is only warned about: a Docker
@@ -523,41 +524,101 @@ def check_key_file_mode(path: Path) -> None:
         mode = stat.S_IMODE(path.stat().st_mode)
     except OSError:
         return  # reading it reports what is wrong
+    source = source or f"API_KEY_FILE={path}"
     if mode & 0o022:
         raise SettingsError(
-            f"API_KEY_FILE={path}: mode {mode:04o} lets other users replace the key; run `chmod go-w {path}`"
+            f"{source}: mode {mode:04o} lets other users replace the key; run `chmod go-w {path}`"
         )
     if mode & 0o004 and DOCKER_SECRETS_DIR not in path.absolute().parents:
         print(
-            f"qwen38: settings: API_KEY_FILE={path} is readable by every user (mode {mode:04o}); "
+            f"qwen38: settings: {source} is readable by every user (mode {mode:04o}); "
             f"run `chmod o-r {path}` unless a container's user must read it",
             file=sys.stderr,
         )
 
 
-def read_api_key(settings: Settings) -> SecretStr | None:
-    """The configured API key, from VLLM_API_KEY or API_KEY_FILE (never printed)."""
-    if settings.vllm_api_key is not None:
-        key = settings.vllm_api_key.get_secret_value().strip()
-        source = "VLLM_API_KEY"
-    elif settings.api_key_file is not None:
-        path = settings.api_key_file
-        check_key_file_mode(path)
-        try:
-            key = path.read_text(encoding="utf-8").strip()
-        except FileNotFoundError:
-            raise SettingsError(f"API_KEY_FILE={path}: no such file") from None
-        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-            raise SettingsError(f"API_KEY_FILE={path}: cannot read the key ({type(exc).__name__})") from None
-        source = f"API_KEY_FILE={path}"
-    else:
-        return None
+# ---- the API key: the one place that reads it -------------------------------------------
+#
+# Precedence, for every command: an explicit flag (--api-key or --api-key-file; both: refused)
+# wins over the settings; else VLLM_API_KEY or API_KEY_FILE, from the environment, then .env
+# (both set: refused), exactly as `qwen38 serve` reads them. A key is one word of at least
+# MIN_API_KEY_LENGTH characters wherever it comes from, and is never printed.
+# tests/unit/test_api_key_home.py fails when another module reads these variables or files.
+
+
+class _KeySettings(BaseSettings):
+    """Only the two key settings, read as Settings reads them: for clients of a server
+    (validate, bench), which need no valid serving configuration."""
+
+    model_config = SettingsConfigDict(
+        env_file=".env", env_file_encoding="utf-8", extra="ignore", case_sensitive=False, env_ignore_empty=True,
+    )
+
+    vllm_api_key: SecretStr | None = None
+    api_key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _not_both(self) -> _KeySettings:
+        if self.vllm_api_key is not None and self.api_key_file is not None:
+            raise ValueError(BOTH_KEYS_SET)
+        return self
+
+
+def _key_from_file(path: Path, source: str) -> str:
+    check_key_file_mode(path, source)
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise SettingsError(f"{source}: no such file") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{source}: cannot read the key ({type(exc).__name__})") from None
+
+
+def _checked_key(key: str, source: str) -> SecretStr:
     if len(key) < MIN_API_KEY_LENGTH or any(c.isspace() for c in key):
         raise SettingsError(
             f"{source}: the key must be one word of at least {MIN_API_KEY_LENGTH} characters "
             "(e.g. `openssl rand -hex 24`)"
         )
     return SecretStr(key)
+
+
+def read_api_key(settings: Settings | _KeySettings) -> SecretStr | None:
+    """The configured API key, from VLLM_API_KEY or API_KEY_FILE (never printed; both set: refused)."""
+    if settings.vllm_api_key is not None and settings.api_key_file is not None:
+        raise SettingsError(BOTH_KEYS_SET)
+    if settings.vllm_api_key is not None:
+        return _checked_key(settings.vllm_api_key.get_secret_value().strip(), "VLLM_API_KEY")
+    if settings.api_key_file is not None:
+        source = f"API_KEY_FILE={settings.api_key_file}"
+        return _checked_key(_key_from_file(settings.api_key_file, source), source)
+    return None
+
+
+def client_api_key(
+    key: str | None = None,
+    key_file: str | os.PathLike | None = None,
+    *,
+    env_file: str | os.PathLike | None = ".env",
+) -> str | None:
+    """The key a client of the server sends (None: an open server); the precedence is above.
+
+    ``key`` and ``key_file`` are the command's --api-key and --api-key-file.
+    """
+    if key and key_file:
+        raise SettingsError("--api-key and --api-key-file are both given; use one")
+    if key:
+        return _checked_key(key.strip(), "--api-key").get_secret_value()
+    if key_file:
+        source = f"--api-key-file {key_file}"
+        return _checked_key(_key_from_file(Path(key_file), source), source).get_secret_value()
+    check_env_file(env_file)
+    try:
+        sources = _KeySettings(_env_file=env_file)
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc)) from None
+    secret = read_api_key(sources)
+    return secret.get_secret_value() if secret else None
 
 
 # ---- documentation generated from the fields ------------------------------------------

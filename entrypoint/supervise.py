@@ -212,9 +212,11 @@ class Supervisor:
         return pid
 
     def _drain_relays(self) -> None:
-        """Let the engine's last output reach ours (its every writer is gone by now)."""
+        """Let the engine's last output reach ours (its every writer is gone by now), waiting
+        at most RELAY_DRAIN_S in all: a writer outside the group must not hold up the exit."""
+        deadline = time.monotonic() + RELAY_DRAIN_S
         for relay in self._relays:
-            relay.join(RELAY_DRAIN_S)
+            relay.join(max(0.0, deadline - time.monotonic()))
 
     # ---- signals -----------------------------------------------------------------------
 
@@ -324,6 +326,7 @@ class Supervisor:
                 say(str(exc))
         self._kill_group()  # anything of the group left without the instance's mark
         _, status = os.waitpid(self.pid, 0)
+        stopped_at = time.monotonic()  # the engine's processes are gone: what a stop is timed by
         self._drain_relays()
         signal.setitimer(signal.ITIMER_REAL, 0)
         code = os.waitstatus_to_exitcode(status)
@@ -331,7 +334,7 @@ class Supervisor:
         if leftovers:
             how += f"; killed {len(leftovers)} of its processes that outlived it"
         if self.stop_reason is not None:
-            took = time.monotonic() - self.stop_started
+            took = stopped_at - self.stop_started
             say(f"engine stopped {took:.1f} s after {self.stop_reason} ({how})")
             error = f"stopped ({self.stop_reason})"
         else:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
-import importlib.util
 import json
 import os
 import sys
@@ -46,7 +45,8 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from entrypoint.errors import ArtifactError, StackError, VerifyError
+from entrypoint.errors import ArtifactError, PatchError, StackError, VerifyError
+from entrypoint.patches import find_vllm_dir
 from entrypoint.stat_cache import CACHE_FILE, FileStamp, StatCache, is_trusted
 from prepare import progress
 from prepare.atomic import atomic_write_text
@@ -503,18 +503,15 @@ def undelivered_problem(profile_name: str, patches: PatchState, distribution: st
     return f"patches: profile {profile_name} requires every patch of the series delivered, found {patches.status}"
 
 
-def vllm_package_dir() -> Path | None:
-    spec = importlib.util.find_spec("vllm")  # a top-level find_spec does not import vllm
-    if spec is None or spec.origin is None:
-        return None
-    return Path(spec.origin).parent
-
-
 def check_engine(profile) -> tuple[EngineReport, list[str]]:
     distribution, version = installed_vllm()
     problems = check_vllm_version(distribution, version)
     try:
-        patches = delivered_patches(vllm_package_dir())
+        vllm_dir = find_vllm_dir()  # found, not imported
+    except PatchError:
+        vllm_dir = None  # no vllm importable here: the patch set is "unknown"
+    try:
+        patches = delivered_patches(vllm_dir)
     except StackError as exc:
         patches = PatchState(status="failed", fingerprint="failed", detail=str(exc), all_delivered=False)
         problems.append(f"patches: {exc}")

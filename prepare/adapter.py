@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +39,7 @@ from pydantic import ValidationError
 
 from entrypoint.errors import AdapterError, VerifyError
 from prepare.atomic import atomic_directory
+from prepare.directions import TARGET_KINDS, TARGET_RE, Directions, read_directions, target_modules
 from prepare.identity import ArtifactIdentity, DerivedIdentity, GeneratedIdentity, InputRef
 from prepare.manifest import (
     MANIFEST_NAME,
@@ -64,8 +64,6 @@ from prepare.weight_formats import (
 if TYPE_CHECKING:
     import torch
 
-    from prepare.directions import Directions
-
 TRANSFORM = "adapter-build"  # a profile slot's `transform`
 # Bump whenever the output bytes would change for the same inputs (it is in the identity).
 TRANSFORM_VERSION = "2"
@@ -78,12 +76,6 @@ ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 CONVERSION_FILE = "qwen38-adapter.json"
 DEFAULT_ROW_CHUNK = 512
-TARGET_KINDS = ("linear_attn.out_proj", "self_attn.o_proj", "mlp.down_proj")
-# Decoder layers only: `mtp.layers.N...` (the MTP head) and the vision tower do not match.
-_TARGET_RE = re.compile(
-    r"^(?P<prefix>model\.language_model\.|model\.)layers\.(?P<layer>\d+)\."
-    r"(?P<kind>linear_attn\.out_proj|self_attn\.o_proj|mlp\.down_proj)$"
-)
 _INPUT_HINTS = {
     MODEL_ROLE: "download it with `qwen38 prepare download` (or generate it with `qwen38 tiny`)",
     DIRECTIONS_ROLE: "import the file with `qwen38 prepare download qwen3.8-27b-mode-b-directions --from PATH`",
@@ -140,7 +132,7 @@ def directions_location(path: Path | str) -> tuple[Path, Path]:
 
 
 def _reference(manifest: Manifest, role: str) -> InputRef:
-    # What `prepare.identity.input_ref` reads, from the manifest already checked above.
+    # What `prepare.manifest.input_ref` reads, from the manifest already checked above.
     return InputRef(role=role, identity=manifest.identity, manifest_digest=manifest.digest)
 
 
@@ -155,19 +147,7 @@ def adapter_identity(model: InputRef, directions: InputRef, row_chunk: int) -> D
 
 
 # ---------------------------------------------------------------------------------------
-# Which modules, and what vLLM calls their LoRA tensors
-
-
-def target_modules(ckpt: Checkpoint) -> list[str]:
-    """The residual-writing modules of ``ckpt``'s decoder layers, in layer order."""
-    found = [m for m in ckpt.linear_modules() if _TARGET_RE.match(m)]
-
-    def order(name: str) -> tuple[int, int]:
-        match = _TARGET_RE.match(name)
-        assert match is not None
-        return int(match["layer"]), TARGET_KINDS.index(match["kind"])
-
-    return sorted(found, key=order)
+# What vLLM calls the LoRA tensors of a target module
 
 
 def lora_tensor_names(module: str) -> tuple[str, str]:
@@ -239,7 +219,7 @@ def _match_modules(ckpt: Checkpoint, directions: Directions, directions_path: Pa
             if name in set(ckpt.linear_modules()):
                 why = f"it is not one of the residual-writing modules ({', '.join(TARGET_KINDS)})"
             else:
-                prefix = _TARGET_RE.match(targets[0])["prefix"]  # type: ignore[index]
+                prefix = TARGET_RE.match(targets[0])["prefix"]  # type: ignore[index]
                 why = f"the checkpoint has no such module (its modules are named {prefix}layers.N...)"
             raise AdapterError(f"{directions_path}: unknown module {name!r}: {why}")
     missing = [m for m in targets if m not in directions.coefs]
@@ -336,8 +316,6 @@ def convert(
 ) -> AdapterConversion:
     """Compute the rank-1 LoRA of ``directions`` for ``model_dir``; every input check first."""
     from safetensors.torch import save
-
-    from prepare.directions import read_directions
 
     model_dir = Path(model_dir)
     if row_chunk < 1:

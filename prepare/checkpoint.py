@@ -10,6 +10,7 @@ through `prepare.safetensors_stream`.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,12 @@ from prepare.safetensors_stream import TensorEntry, read_header
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's part of a (possibly multimodal) config.json: its ``text_config``, else itself."""
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else config
 
 
 @dataclass(frozen=True)

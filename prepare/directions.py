@@ -7,19 +7,22 @@ Format (the one the Spark article's tooling uses; docs/adapter.md): a safetensor
 - a 1-D tensor ``__coefs__`` holding one coefficient per module, in the order given by the
   JSON list stored in the file's metadata under ``coef_order``.
 The projection it describes, applied after each module's linear map, is
-``y' = y - c r (r^T y)``.
+``y' = y - c r (r^T y)``. The modules it covers are the residual-writing ones of the
+decoder layers (`target_modules`): every one, and no other.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from entrypoint.errors import AdapterError
 from prepare.atomic import atomic_file
+from prepare.weight_formats import Checkpoint, describe_linear, open_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +30,25 @@ if TYPE_CHECKING:
 COEFS_KEY = "__coefs__"
 ORDER_KEY = "coef_order"
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+# The modules a directions file covers: the residual-writing ones of the decoder layers.
+TARGET_KINDS = ("linear_attn.out_proj", "self_attn.o_proj", "mlp.down_proj")
+# Decoder layers only: `mtp.layers.N...` (the MTP head) and the vision tower do not match.
+TARGET_RE = re.compile(
+    r"^(?P<prefix>model\.language_model\.|model\.)layers\.(?P<layer>\d+)\."
+    r"(?P<kind>linear_attn\.out_proj|self_attn\.o_proj|mlp\.down_proj)$"
+)
+
+
+def target_modules(ckpt: Checkpoint) -> list[str]:
+    """The residual-writing modules of ``ckpt``'s decoder layers, in layer order."""
+    found = [m for m in ckpt.linear_modules() if TARGET_RE.match(m)]
+
+    def order(name: str) -> tuple[int, int]:
+        match = TARGET_RE.match(name)
+        assert match is not None
+        return int(match["layer"]), TARGET_KINDS.index(match["kind"])
+
+    return sorted(found, key=order)
 
 
 @dataclass(frozen=True)
@@ -140,9 +162,6 @@ def random_directions(
     margins (`prepare.generate.TINY_ADAPTER_STRENGTH`).
     """
     import torch
-
-    from prepare.adapter import target_modules
-    from prepare.weight_formats import describe_linear, open_checkpoint
 
     ckpt = open_checkpoint(model_dir)
     modules = target_modules(ckpt)

@@ -37,7 +37,6 @@ from pathlib import Path
 from entrypoint.errors import DownloadError
 from prepare.artifact_lock import (
     LOCK_PATH,
-    UNPINNED,
     ArtifactLock,
     LockedArtifact,
     LockedFile,
@@ -363,7 +362,7 @@ def resolve_targets(
 
 def _cmd_download(args: argparse.Namespace) -> int:
     from entrypoint.settings import load_settings
-    from prepare.pinning import branch_head_refusal, pin_at_first_use
+    from prepare.pinning import check_pinnable, pin_at_first_use
 
     lock_path = Path(args.lock)
     settings = load_settings(profile=args.profile)
@@ -377,12 +376,7 @@ def _cmd_download(args: argparse.Namespace) -> int:
             raise DownloadError("--from names the file of exactly one user-supplied artifact; name that one")
     # Check every pin before fetching anything: fail in the first second, not after 20 GB.
     for target in targets:
-        artifact = lock.get(target.artifact)
-        refusal = None if settings.allow_branch_head else branch_head_refusal(artifact, lock_path)
-        if refusal is not None:
-            raise DownloadError(refusal)
-        if not artifact.pinned_at_first_use and artifact.revision != UNPINNED:
-            artifact.require_pinned(lock_path)
+        check_pinnable(lock.get(target.artifact), lock_path, allow_branch_head=settings.allow_branch_head)
     seed_dir = Path(args.seed) if args.seed else settings.models_seed_dir
     for target in targets:
         artifact = pin_at_first_use(

@@ -39,11 +39,11 @@ from typing import Any
 
 from entrypoint.errors import PrepareError
 from prepare.atomic import atomic_directory
+from prepare.checkpoint import INDEX_NAME
 from prepare.identity import GeneratedIdentity
 from prepare.manifest import read_manifest, write_manifest
 from prepare.safetensors_stream import encode_header
 from prepare.synthetic import (
-    INDEX_NAME,
     PRESET_NAMES,
     TINY_PRESET,
     VARIANTS,

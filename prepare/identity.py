@@ -17,8 +17,8 @@ one of three typed shapes (the ``kind`` field tells them apart):
 
 How a step writes its manifest (after it has verified its own output)::
 
-    from prepare.identity import DerivedIdentity, input_ref
-    from prepare.manifest import write_manifest
+    from prepare.identity import DerivedIdentity
+    from prepare.manifest import input_ref, write_manifest
 
     identity = DerivedIdentity(
         transform="requantize-int8",
@@ -42,7 +42,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -162,11 +161,3 @@ DerivedIdentity.model_rebuild()
 
 def identity_dict(identity: ArtifactIdentity | DerivedIdentity | GeneratedIdentity) -> dict[str, Any]:
     return identity.model_dump(mode="json")
-
-
-def input_ref(directory: Path | str, role: str) -> InputRef:
-    """The `InputRef` of an input directory, read from its (verified) manifest."""
-    from prepare.manifest import read_manifest
-
-    manifest = read_manifest(directory)
-    return InputRef(role=role, identity=manifest.identity, manifest_digest=manifest.digest)

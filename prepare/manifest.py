@@ -43,6 +43,7 @@ from prepare.identity import (
     DerivedIdentity,
     GeneratedIdentity,
     Identity,
+    InputRef,
     digest_of,
 )
 
@@ -55,6 +56,7 @@ __all__ = [
     "ManifestFile",
     "build_manifest",
     "content_files",
+    "input_ref",
     "read_manifest",
     "sha256_file",
     "trusted_links",
@@ -298,3 +300,9 @@ def read_manifest(directory: Path | str) -> Manifest:
             f"{manifest.digest}; prepare the directory again instead of editing its manifest"
         )
     return manifest
+
+
+def input_ref(directory: Path | str, role: str) -> InputRef:
+    """The `InputRef` of an input directory, read from its (verified) manifest."""
+    manifest = read_manifest(directory)
+    return InputRef(role=role, identity=manifest.identity, manifest_digest=manifest.digest)

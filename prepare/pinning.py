@@ -103,15 +103,21 @@ def describe_change(old: LockedArtifact, new: LockedArtifact) -> str:
     )
 
 
-def branch_head_refusal(artifact: LockedArtifact, lock_path: Path | str = LOCK_PATH) -> str | None:
-    """Why prepare may not pin ``artifact`` itself (None: it may, or it is pinned already)."""
-    if artifact.source != "hub" or artifact.revision != UNPINNED:
-        return None
-    return (
-        f"{lock_path}: artifact {artifact.key} ({artifact.repo}) names no revision, and a branch is not a pin: "
-        f"pin a commit with `qwen38 lock update {artifact.key} --revision COMMIT`, or set ALLOW_BRANCH_HEAD=true "
-        f"to let prepare resolve its {BRANCH_HEAD} branch once and record the commit on this machine"
-    )
+def check_pinnable(artifact: LockedArtifact, lock_path: Path | str = LOCK_PATH, *, allow_branch_head: bool = False) -> None:
+    """Refuse (one `ArtifactError` line, before any request) what prepare can neither download
+    as pinned nor pin itself: a hub artifact with no revision (unless ``allow_branch_head``), a
+    user-supplied one whose files are unpinned. A commit whose files are read at first use passes."""
+    if artifact.source == "hub" and artifact.revision == UNPINNED:
+        if not allow_branch_head:
+            raise ArtifactError(
+                f"{lock_path}: artifact {artifact.key} ({artifact.repo}) names no revision, and a branch is not a "
+                f"pin: pin a commit with `qwen38 lock update {artifact.key} --revision COMMIT`, or set "
+                f"ALLOW_BRANCH_HEAD=true to let prepare resolve its {BRANCH_HEAD} branch once and record the "
+                "commit on this machine"
+            )
+        return
+    if not artifact.pinned_at_first_use:
+        artifact.require_pinned(lock_path)
 
 
 def pin_at_first_use(
@@ -132,11 +138,8 @@ def pin_at_first_use(
     """
     if artifact.is_pinned:
         return artifact
-    if artifact.source != "hub":
-        artifact.require_pinned(lock_path)  # raises, naming `--from PATH`
+    check_pinnable(artifact, lock_path, allow_branch_head=allow_branch_head)  # a local one raises, naming --from
     by_owner = artifact.revision == UNPINNED
-    if by_owner and not allow_branch_head:
-        raise ArtifactError(branch_head_refusal(artifact, lock_path))
     pinned = pin_hub_artifact(artifact, revision=BRANCH_HEAD if by_owner else None, endpoint=endpoint)
     recorded = pinned.model_copy(
         update={

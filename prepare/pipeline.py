@@ -35,7 +35,7 @@ from pathlib import Path
 
 from entrypoint.errors import PrepareError
 from entrypoint.profiles import ModelSlot, Profile
-from prepare.artifact_lock import LOCK_PATH, UNPINNED, ArtifactLock, effective_lock, load_lock
+from prepare.artifact_lock import LOCK_PATH, ArtifactLock, effective_lock, load_lock
 from prepare import progress
 from prepare.manifest import MANIFEST_NAME
 
@@ -113,18 +113,13 @@ def check_plan(steps: list[Step], lock: ArtifactLock, lock_path: Path | str, all
 
     An artifact the repository lock pins by commit only passes (prepare pins its files at
     first use); one with no revision only with ``allow_branch_head``."""
-    from prepare.pinning import branch_head_refusal
+    from prepare.pinning import check_pinnable
     from prepare.transforms import transform_module
 
     for step in steps:
         if step.action == "download":
             artifact = lock.get(step.artifact, lock_path)  # type: ignore[arg-type]
-            refusal = None if allow_branch_head else branch_head_refusal(artifact, lock_path)
-            if refusal is not None:
-                raise PrepareError(refusal)
-            if artifact.source == "local" or artifact.revision != UNPINNED:
-                if not artifact.pinned_at_first_use:
-                    artifact.require_pinned(lock_path)
+            check_pinnable(artifact, lock_path, allow_branch_head=allow_branch_head)
     for step in steps:
         if step.action not in ("download", "tiny"):
             try:

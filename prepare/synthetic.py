@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from entrypoint.errors import PrepareError
+from prepare.checkpoint import INDEX_NAME
 
 MODEL_CONFIGS = Path(__file__).resolve().parent.parent / "profiles" / "model-configs"
-INDEX_NAME = "model.safetensors.index.json"
 GROUP = 128  # W4A16 and GPTQ group size
 NVFP4_BLOCK = 16
 E2M1_RMS = math.sqrt(sum(m * m for m in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)) / 8)  # uniform codes

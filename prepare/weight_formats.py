@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from entrypoint.errors import PrepareError
+from prepare.checkpoint import INDEX_NAME, text_config
 
 if TYPE_CHECKING:
     import torch
 
-INDEX_NAME = "model.safetensors.index.json"
 NVFP4_BLOCK = 16
 DEFAULT_FP8_BLOCK = (128, 128)
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -78,9 +78,9 @@ class Checkpoint:
         return sorted(names)
 
     @property
-    def text_config(self) -> dict[str, Any]:
+    def text_config(self) -> Mapping[str, Any]:
         """config.json's language-model part (`text_config` of a VL config, else itself)."""
-        return self.config.get("text_config") or self.config
+        return text_config(self.config)
 
     def fp8_block_size(self) -> tuple[int, int]:
         quant = self.config.get("quantization_config") or self.text_config.get("quantization_config") or {}

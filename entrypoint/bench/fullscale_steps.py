@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from entrypoint.bench import fullscale_figures as figures
-from entrypoint.errors import BenchError, StackError
+from entrypoint.errors import BenchError, PatchError, StackError
 from entrypoint.lifecycle import process_alive, process_session
 
 # An RTX 3090 as CUDA reports it on Linux: 24268 MiB, 25,447,170,048 B (deviceQuery; PyTorch's
@@ -307,18 +307,14 @@ def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 3600,
 # Preparation steps
 
 
-def _vllm_dir() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        raise BenchError("vLLM is not importable here: stage the CUDA payload first (docs/gpu.md)")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def step_patches(root: Path) -> dict[str, Any]:
     """`qwen38 patches apply` then `check` on the vLLM this Python imports."""
-    vllm = str(_vllm_dir())
+    from entrypoint.patches import find_vllm_dir
+
+    try:
+        vllm = str(find_vllm_dir())
+    except PatchError as exc:
+        raise BenchError("vLLM is not importable here: stage the CUDA payload first (docs/gpu.md)") from exc
     applied = _cli("patches", "apply", "--vllm-dir", vllm)
     checked = _cli("patches", "check", "--vllm-dir", vllm) if applied.returncode == 0 else applied
     fingerprint = _cli("patches", "fingerprint")

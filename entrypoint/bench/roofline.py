@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from entrypoint.errors import BenchError
+from prepare.checkpoint import text_config
 
 # Nominal bandwidths (vendor figures); the H200's measured figure comes from the GPU run.
 BANDWIDTH = {"H200 (nominal)": 4.8e12, "RTX 3090": 936e9, "DGX Spark": 273e9}
@@ -128,7 +129,7 @@ def serving(profile) -> Serving:
     target = profile.models.target
     if target.artifact not in VARIANTS:
         raise BenchError(f"profile {profile.name}: target artifact {target.artifact!r} is not one the roofline knows")
-    text = model_config(target.artifact).get("text_config") or model_config(target.artifact)
+    text = text_config(model_config(target.artifact))
     _, fmt = VARIANTS[target.artifact]
     lm_head_bf16 = text["vocab_size"] * text["hidden_size"] * 2
     lm_head = int8_table_bytes(text["vocab_size"], text["hidden_size"]) if target.transform == "requantize-int8" \

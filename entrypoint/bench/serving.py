@@ -27,24 +27,16 @@ from entrypoint.bench.measurement import ServerTokenizer, run_point, warm_up
 from entrypoint.bench.prompts import PROMPTS_VERSION
 from entrypoint.bench.workloads import WORKLOADS, Context, Workload, params_from_args
 from entrypoint.client import DEFAULT_TIMEOUT, StackClient
-from entrypoint.errors import BenchError, SettingsError
+from entrypoint.errors import BenchError
 
 DEFAULT_SEED = 0
 
 
 def api_key(args: argparse.Namespace) -> str | None:
-    """--api-key, else --api-key-file, else VLLM_API_KEY, else API_KEY_FILE; None for an open server."""
-    if args.api_key and args.api_key_file:
-        raise SettingsError("--api-key and --api-key-file are both given; use one")
-    if args.api_key:
-        return args.api_key
-    path = args.api_key_file or os.environ.get("API_KEY_FILE")
-    if path:
-        try:
-            return Path(path).read_text(encoding="utf-8").strip() or None
-        except OSError as exc:
-            raise SettingsError(f"API key file {path}: {exc.strerror}") from None
-    return os.environ.get("VLLM_API_KEY") or None
+    """The key to send (None: an open server): `entrypoint.settings.client_api_key`'s precedence."""
+    from entrypoint.settings import client_api_key
+
+    return client_api_key(args.api_key, args.api_key_file)
 
 
 def _list_models(client: StackClient) -> list[dict[str, Any]]:

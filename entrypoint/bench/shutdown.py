@@ -174,7 +174,8 @@ def _cmd_shutdown(args: argparse.Namespace) -> int:
     import os
 
     from entrypoint.bench.provenance import client_machine, versions, write_result
-    from entrypoint.bench.startup import REPO, _engine_env, _free_port, _verdict
+    from entrypoint.bench.startup import REPO, THROWAWAY_KEY, _engine_env, _free_port, _verdict
+    from entrypoint.settings import client_api_key
 
     workdir = Path(tempfile.mkdtemp(prefix="qwen38-bench-shutdown-"))
     cache_dir = Path(args.cache_dir) if args.cache_dir else workdir / "cache"
@@ -199,9 +200,9 @@ def _cmd_shutdown(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         if not verdict.get("ready"):
             raise BenchError(f"the readiness gate failed: {verdict.get('error')}")
-        key = env.get("VLLM_API_KEY") or (
-            Path(env["API_KEY_FILE"]).read_text().strip() if env.get("API_KEY_FILE") else ""
-        )
+        # The server's key: the throw-away one _engine_env wrote, else the user's settings.
+        generated = workdir / THROWAWAY_KEY
+        key = client_api_key(key_file=generated if generated.is_file() else None) or ""
         import yaml
 
         from entrypoint.drain import ENGINE_GRACE_S

@@ -147,6 +147,9 @@ def measure_start(
     }
 
 
+THROWAWAY_KEY = "api_key"  # in the work directory: the key _engine_env writes when the profile needs one
+
+
 def _engine_env(profile: str, workdir: Path) -> dict[str, str]:
     """The user's environment, plus a throw-away API key when the profile needs one and none is set."""
     from entrypoint.keys import init_key_file
@@ -155,7 +158,7 @@ def _engine_env(profile: str, workdir: Path) -> dict[str, str]:
     settings = load_settings(profile=profile)
     env = dict(os.environ)
     if load_settings_profile(settings).require_api_key and not settings.has_api_key:
-        key = workdir / "api_key"
+        key = workdir / THROWAWAY_KEY
         init_key_file(key)
         env["API_KEY_FILE"] = str(key)
     return env

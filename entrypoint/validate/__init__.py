@@ -9,8 +9,6 @@ prints a table (or ``--json``) and exits non-zero when any check fails.
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
 from entrypoint.client import StackClient
 from entrypoint.errors import SettingsError, ValidationFailed
@@ -18,32 +16,20 @@ from entrypoint.validate.cache_isolation import DEFAULT_PREFIX_TOKENS
 from entrypoint.validate.report import Report
 
 
-def _api_key(args: argparse.Namespace) -> str | None:
-    if args.api_key and args.api_key_file:
-        raise SettingsError("--api-key and --api-key-file are both given; use one")
-    if args.api_key:
-        return args.api_key
-    if args.api_key_file:
-        try:
-            return Path(args.api_key_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise SettingsError(f"--api-key-file {args.api_key_file}: {exc.strerror}") from None
-    return os.environ.get("VLLM_API_KEY") or None
-
-
 def _target(args: argparse.Namespace) -> tuple[str, str | None]:
-    """Base URL and key: explicit flags, else the local deployment's settings."""
-    key = _api_key(args)
+    """Base URL and key: explicit flags, else the local deployment's settings.
+
+    The key's precedence is `entrypoint.settings.client_api_key`'s, as for every command.
+    """
+    from entrypoint.settings import client_api_key
+
     if args.base_url:
-        return args.base_url, key
+        return args.base_url, client_api_key(args.api_key, args.api_key_file)
     from entrypoint.ready import base_url_for
-    from entrypoint.settings import load_settings, read_api_key
+    from entrypoint.settings import load_settings
 
     settings = load_settings()
-    if key is None:
-        secret = read_api_key(settings)
-        key = secret.get_secret_value() if secret else None
-    return base_url_for(settings), key
+    return base_url_for(settings), client_api_key(args.api_key, args.api_key_file)
 
 
 def _finish(report: Report, as_json: bool) -> int:
@@ -94,7 +80,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", help="server URL (default: from the HOST/PORT settings)")
     parser.add_argument("--api-key", help="API key (visible to other users in `ps`; prefer --api-key-file)")
-    parser.add_argument("--api-key-file", help="file holding the API key (default: VLLM_API_KEY or the settings)")
+    parser.add_argument("--api-key-file", help="file holding the API key (default: VLLM_API_KEY or API_KEY_FILE)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
 
 

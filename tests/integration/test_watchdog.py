@@ -147,7 +147,7 @@ def test_a_bench_request_with_no_answer_within_its_timeout_fails_naming_the_flag
         result = run_cli(
             "bench", "c1", "--base-url", watched.base_url, "--model", BASE, "--warmup", "0",
             "--requests", "1", "--output-tokens", "8", "--request-timeout", "2",
-            env={**watched.env, "VLLM_API_KEY": watched.api_key}, timeout=120,
+            env=watched.env, timeout=120,  # the server's own API_KEY_FILE: the key bench reads
         )
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert "the server sent nothing within the request timeout" in result.stderr

@@ -1,8 +1,9 @@
 """The import graph of our own packages, read from the source (nothing is imported).
 
-Every ``import`` and ``from ... import`` counts, including those inside functions: a
-deferred import still makes two modules depend on each other, it only hides the circle
-from the interpreter.
+Every ``import`` and ``from ... import`` counts, absolute or relative, including those
+inside functions and under ``if TYPE_CHECKING:``: a deferred import still makes two modules
+depend on each other, it only hides the circle from the interpreter. (A module loaded by
+name through `importlib.import_module` is not an import statement and is not seen.)
 """
 
 from __future__ import annotations
@@ -30,13 +31,24 @@ def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            elif isinstance(node, ast.ImportFrom):
                 # `from a import b` imports a, and a.b when that is a module
-                targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+                base = _absolute(name, path, node.level, node.module)
+                targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
             else:
                 continue
             graph[name].update(t for t in targets if t in files and t != name)
     return graph
+
+
+def _absolute(importer: str, path: Path, level: int, module: str | None) -> str:
+    """The absolute name a `from` import names (``from ..a import b`` in x.y.z -> x.a)."""
+    if level == 0:
+        return module or ""
+    package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
+    for _ in range(level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{module}" if module else package
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:

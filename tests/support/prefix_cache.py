@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 from entrypoint.client import StackClient
+from entrypoint.settings import client_api_key
 
 BLOCK_SIZE_LOG = re.compile(r"Setting attention block size to (\d+) tokens")
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="also compare a resumed answer with an uncached one")
     args = parser.parse_args(argv)
     run = uuid.uuid4().hex[:8]  # a cache namespace of its own: a second run starts cold too
-    with StackClient(args.base_url, args.api_key_file.read_text().strip()) as client:
+    with StackClient(args.base_url, client_api_key(key_file=args.api_key_file)) as client:
         for length in args.lengths:
             hits = sendings(client, token_prompt(length, length), f"{run}-{length}", args.times)
             print(f"{length} tokens: cached {', '.join(map(str, hits))}")

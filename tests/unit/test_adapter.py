@@ -17,12 +17,11 @@ from prepare.adapter import (
     TRANSFORM_VERSION,
     build_adapter,
     lora_tensor_names,
-    target_modules,
     verify_adapter_binding,
 )
-from prepare.directions import write_directions
-from prepare.identity import ArtifactIdentity, DerivedIdentity, input_ref
-from prepare.manifest import MANIFEST_NAME, read_manifest, sha256_file, write_manifest
+from prepare.directions import target_modules, write_directions
+from prepare.identity import ArtifactIdentity, DerivedIdentity
+from prepare.manifest import MANIFEST_NAME, input_ref, read_manifest, sha256_file, write_manifest
 from prepare.weight_formats import open_checkpoint
 from tests.support.identified import seal
 from tests.support.quantize import stored_module

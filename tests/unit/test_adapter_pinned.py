@@ -19,9 +19,9 @@ import pytest
 import entrypoint.verify
 from entrypoint.profiles import Profile, load_profile
 from entrypoint.verify import PatchState, VerifyFailed, verify_profile
-from prepare.adapter import build_adapter, build_profile_adapter, check_profile_adapter, target_modules
+from prepare.adapter import build_adapter, build_profile_adapter, check_profile_adapter
 from prepare.artifact_lock import LOCK_PATH, ArtifactLock, LockedFile, load_lock, write_lock
-from prepare.directions import random_directions
+from prepare.directions import random_directions, target_modules
 from prepare.download import default_dir, download_artifact
 from prepare.hashing import hash_files
 from prepare.pinning import pin_local_artifact

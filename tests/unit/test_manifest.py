@@ -9,8 +9,8 @@ import pytest
 
 from entrypoint.errors import PrepareError
 from prepare.hashing import git_blob_sha1, hash_files, sha256_file
-from prepare.identity import ArtifactIdentity, DerivedIdentity, GeneratedIdentity, input_ref
-from prepare.manifest import MANIFEST_NAME, ManifestError, read_manifest, write_manifest
+from prepare.identity import ArtifactIdentity, DerivedIdentity, GeneratedIdentity
+from prepare.manifest import MANIFEST_NAME, ManifestError, input_ref, read_manifest, write_manifest
 from tests.pinning_support import write_model_files
 
 TINY = GeneratedIdentity(generator="tiny", generator_version="1", params={"seed": 0})

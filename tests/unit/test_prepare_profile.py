@@ -104,12 +104,14 @@ def stock_vllm(tmp_path, monkeypatch):
     not `make setup` patched the installed tree."""
     from entrypoint import patches as ps
     from entrypoint import verify
+    from entrypoint.errors import PatchError
 
-    installed = verify.vllm_package_dir()
-    if installed is None:
+    try:
+        installed = ps.find_vllm_dir()
+    except PatchError:
         pytest.skip("no vllm installed")
     stock = ps.series_tree(installed, tmp_path / "stock-vllm", patched=False) / "vllm"
-    monkeypatch.setattr(verify, "vllm_package_dir", lambda: stock)
+    monkeypatch.setattr(verify, "find_vllm_dir", lambda: stock)
     return stock
 
 
@@ -225,7 +227,7 @@ def test_an_artifact_without_a_revision_stops_prepare_before_any_request(stack):
         stack.lock.with_artifact(stack.lock.get(DRAFTER).model_copy(update={"revision": UNPINNED, "files": UNPINNED})),
         stack.lock_path,
     )
-    with pytest.raises(PrepareError) as exc:
+    with pytest.raises(ArtifactError) as exc:
         _prepare(stack)
     assert str(exc.value) == (
         f"{stack.lock_path}: artifact {DRAFTER} ({DRAFTER_REPO}) names no revision, and a branch is not a pin: pin a "

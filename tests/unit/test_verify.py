@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from entrypoint.cli import main
+from entrypoint.errors import PatchError
 from entrypoint.patches import read_series_names
 from entrypoint.verify import (
     STATUS_PATH,
@@ -25,8 +26,8 @@ from entrypoint.verify import (
     verify_profile,
 )
 from prepare.artifact_lock import ArtifactLock, LockedArtifact, LockedFile, write_lock
-from prepare.identity import DerivedIdentity, GeneratedIdentity, input_ref
-from prepare.manifest import MANIFEST_NAME, read_manifest, write_manifest
+from prepare.identity import DerivedIdentity, GeneratedIdentity
+from prepare.manifest import MANIFEST_NAME, input_ref, read_manifest, write_manifest
 from prepare.generate import GENERATOR_VERSION as TINY_VERSION
 from tests.pinning_support import (  # noqa: F401 (no_racy_window is a fixture)
     age,
@@ -139,7 +140,7 @@ def test_the_stat_cache_and_status_live_under_cache_dir_and_the_model_dir_is_not
 
 
 def test_status_file_records_one_identity_string_clients_can_read(tiny, no_racy_window, monkeypatch):
-    monkeypatch.setattr(entrypoint.verify, "vllm_package_dir", lambda: None)
+    _engine_at(monkeypatch, None)
     report = _ok(tiny)
     status = read_status(tiny.settings.cache_dir)
     assert status["identity"] == report.identity
@@ -350,8 +351,8 @@ def test_a_derived_directory_from_another_transform_fails(pinned):
 
 def test_installed_vllm_is_read_from_metadata_without_importing_it():
     code = (
-        "import sys; from entrypoint.verify import installed_vllm, vllm_package_dir; "
-        "print(installed_vllm(), vllm_package_dir() is not None, 'vllm' in sys.modules)"
+        "import sys; from entrypoint.verify import installed_vllm, find_vllm_dir; "
+        "print(installed_vllm(), find_vllm_dir() is not None, 'vllm' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
@@ -385,7 +386,14 @@ def vllm_views(tmp_path_factory):
 
 
 def _engine_at(monkeypatch, directory):
-    monkeypatch.setattr(entrypoint.verify, "vllm_package_dir", lambda: directory)
+    """Verify sees the vLLM package at ``directory`` (None: no vLLM importable)."""
+
+    def found():
+        if directory is None:
+            raise PatchError("no vllm package is importable here; pass --vllm-dir DIR")
+        return directory
+
+    monkeypatch.setattr(entrypoint.verify, "find_vllm_dir", found)
 
 
 def test_without_vllm_the_patch_set_is_unknown(tiny, no_racy_window, monkeypatch):
