@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from core.errors import ReadinessError
 from entrypoint.client import StackClient
-from entrypoint.errors import ReadinessError
 
 CANARY_PROMPT = "Write one sentence about caches."
 CANARY_TOKENS = 12

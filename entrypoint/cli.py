@@ -14,13 +14,13 @@ import argparse
 import importlib
 import sys
 
-from entrypoint.errors import StackError
+from core.errors import StackError
 
 # Command -> the module that registers it. The order is the order of the flow in
 # DESIGN.md; `--help` lists them this way.
 COMMANDS = {
-    "settings": "entrypoint.settings",
-    "profiles": "entrypoint.profiles",
+    "settings": "core.settings",
+    "profiles": "core.profiles",
     "key": "entrypoint.keys",
     "lock": "prepare.lock",
     "prepare": "prepare.commands",
@@ -40,7 +40,7 @@ COMMANDS = {
     "validate": "entrypoint.validate",
     "docs": "entrypoint.generated_docs",
     "image": "entrypoint.images",
-    "bench": "entrypoint.bench",
+    "bench": "bench",
 }
 COMMAND_MODULES = tuple(dict.fromkeys(COMMANDS.values()))
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from entrypoint.errors import MonitoringError, StackError
+from core.errors import MonitoringError, StackError
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD_PATH = REPO / "docker" / "monitoring" / "grafana" / "dashboards" / "qwen38.json"

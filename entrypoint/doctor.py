@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from entrypoint.errors import StackError
-from entrypoint.profiles import Profile
+from core.errors import StackError
+from core.profiles import Profile
 from entrypoint.toolchain import Runner, check_toolchain, jit_cuda_home, run_command, torch_cuda_version
 from entrypoint.topology import TopologyError, link_between, parse_topology, read_topology
 
@@ -379,8 +379,8 @@ def weights_size(settings, profile: Profile) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
+    from core.settings import load_settings, load_settings_profile
     from entrypoint.launch import resolve_on_this_host
-    from entrypoint.settings import load_settings, load_settings_profile
 
     settings = load_settings(profile=args.profile)
     profile = load_settings_profile(settings)

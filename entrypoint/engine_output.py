@@ -13,7 +13,7 @@ phase every `HEARTBEAT_S` seconds with the time spent and the time left of READY
 
 The markers (`PHASES`) are messages of vLLM 0.28.0 (and uvicorn's last start-up line) as
 this build logs them at LOG_LEVEL info; at warning vLLM logs none of them and our heartbeat
-is off too (`prepare.progress`).
+is off too (`core.progress`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from prepare.progress import format_duration, say
+from core.progress import format_duration, say
 
 HEARTBEAT_S = 30.0
 HEARTBEAT_ENV = "QWEN38_HEARTBEAT_S"  # a shorter beat for the tests that start a server
@@ -168,7 +168,7 @@ def heartbeat_interval() -> float:
 
 class Heartbeat:
     """Called with the seconds waited so far at each poll of the readiness gate; prints the
-    phase every ``every`` seconds (through `prepare.progress.say`: LOG_LEVEL applies)."""
+    phase every ``every`` seconds (through `core.progress.say`: LOG_LEVEL applies)."""
 
     def __init__(
         self,

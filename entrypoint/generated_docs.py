@@ -11,10 +11,10 @@ import argparse
 import re
 from pathlib import Path
 
+from core.errors import StackError
+from core.profiles import render_profiles_table
+from core.settings import render_env_example
 from entrypoint.dashboard import DASHBOARD_PATH, dashboard_json
-from entrypoint.errors import StackError
-from entrypoint.profiles import render_profiles_table
-from entrypoint.settings import render_env_example
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ SETTINGS_DOC = REPO / "docs" / "settings.md"
 
 def generated_sections(path: Path) -> dict[str, str]:
     """The generated blocks of one document (README.md or docs/settings.md), by marker name."""
-    from entrypoint.settings import render_settings_table
+    from core.settings import render_settings_table
 
     if path == SETTINGS_DOC:
         return {"settings-table": render_settings_table()}

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from entrypoint.errors import ImageError
+from core.errors import ImageError
 
 if TYPE_CHECKING:
-    from entrypoint.profiles import Profile
+    from core.profiles import Profile
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE_PATH = REPO / "compose.yaml"
@@ -81,7 +81,7 @@ def get_image(name: str) -> ImageSpec:
 
 
 def _profiles(spec: ImageSpec) -> list[Profile]:
-    from entrypoint.profiles import load_profile, profile_names
+    from core.profiles import load_profile, profile_names
 
     return [p for p in (load_profile(name) for name in profile_names()) if p.machine == spec.machine]
 
@@ -213,7 +213,7 @@ def _cmd_build_args(args: argparse.Namespace) -> int:
 
 
 def _cmd_pin(args: argparse.Namespace) -> int:
-    from prepare.atomic import atomic_write_text
+    from core.atomic import atomic_write_text
 
     spec = get_image(args.image)
     path = Path(args.compose)

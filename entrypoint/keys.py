@@ -11,8 +11,8 @@ import os
 import secrets
 from pathlib import Path
 
-from entrypoint.errors import SettingsError
-from prepare.atomic import atomic_file
+from core.atomic import atomic_file
+from core.errors import SettingsError
 
 DEFAULT_KEY_FILE = Path("secrets/api_key")
 

@@ -27,13 +27,13 @@ from typing import Any
 import yaml
 from pydantic import SecretStr
 
+from core.errors import SettingsError
+from core.profiles import Profile
+from core.settings import Settings, load_settings, load_settings_profile, read_api_key
 from entrypoint.asgi import API_KEY_ENV, MIDDLEWARE_PATH
 from entrypoint.compile_cache import compile_cache_key, vllm_cache_root
 from entrypoint.drain import DRAIN_ENV, ENGINE_GRACE_S
-from entrypoint.errors import SettingsError
-from entrypoint.profiles import Profile
 from entrypoint.resolve import ResolvedEngine, check_multi_host, resolve
-from entrypoint.settings import Settings, load_settings, load_settings_profile, read_api_key
 from entrypoint.toolchain import Runner
 
 ENGINE_MODULE = "entrypoint.engine_main"  # vLLM's OpenAI server, tied to the supervisor's life
@@ -311,7 +311,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
 
 def write_run_files(invocation: Invocation) -> None:
-    from prepare.atomic import atomic_write_text
+    from core.atomic import atomic_write_text
 
     atomic_write_text(invocation.config_path, invocation.config_yaml())
 

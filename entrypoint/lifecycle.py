@@ -32,8 +32,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from core.errors import LaunchError
 from entrypoint.asgi import INSTANCE_ENV
-from entrypoint.errors import LaunchError
 
 LEFTOVER_EXIT_WAIT_S = 10.0
 
@@ -186,7 +186,7 @@ class RunRecord:
     address: str
 
     def write(self, path: Path) -> None:
-        from prepare.atomic import atomic_write_text
+        from core.atomic import atomic_write_text
 
         atomic_write_text(path, json.dumps(asdict(self), indent=2) + "\n")
 

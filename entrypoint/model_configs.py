@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from entrypoint.errors import PlanError
-from entrypoint.profiles import PROFILES_DIR, ModelSlot, Profile
+from core.errors import PlanError
+from core.profiles import PROFILES_DIR, ModelSlot, Profile
 from entrypoint.resolve import ResolvedEngine
 
 MODEL_CONFIGS_DIR = PROFILES_DIR / "model-configs"

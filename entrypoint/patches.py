@@ -30,15 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from entrypoint.errors import PatchError
-from entrypoint.unified_diff import (
-    DiffFormatError,
-    FileDiff,
-    HunkFailed,
-    Patch,
-    apply_file_diff,
-    parse_patch,
-)
+from core.errors import PatchError
+from entrypoint.unified_diff import DiffFormatError, FileDiff, HunkFailed, Patch, apply_file_diff, parse_patch
 
 SERIES_DIR = Path(__file__).resolve().parent.parent / "patches"
 SERIES_NAME = "series"
@@ -338,7 +331,7 @@ def apply_series(vllm_dir: Path | str, series_dir: Path = SERIES_DIR) -> list[Ap
 
 
 def _write_tree_file(vllm_dir: Path, path: str, text: str | None) -> None:
-    from prepare.atomic import atomic_write_bytes
+    from core.atomic import atomic_write_bytes
 
     dest = vllm_dir / path
     if text is None:
@@ -472,7 +465,7 @@ def installed_distribution(vllm_dir: Path) -> str:
 
 
 def write_lock(lock: dict, series_dir: Path = SERIES_DIR) -> Path:
-    from prepare.atomic import atomic_write_text
+    from core.atomic import atomic_write_text
 
     path = series_dir / LOCK_NAME
     atomic_write_text(path, json.dumps(lock, indent=2, sort_keys=True) + "\n")
@@ -515,7 +508,7 @@ def _cmd_lock(args: argparse.Namespace) -> int:
     if args.from_wheel:
         wheel = Path(args.from_wheel)
         pristine = pristine_from_wheel(wheel, series.paths)
-        from prepare.manifest import sha256_file
+        from core.manifest import sha256_file
 
         sources = {wheel.name: {"sha256": sha256_file(wheel), "files_from": "this wheel"}}
     else:

@@ -41,12 +41,12 @@ from typing import Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from entrypoint.errors import PlanError, StackError
+from core.errors import PlanError, StackError
+from core.profiles import Profile
+from core.settings import Settings
 from entrypoint.compile_cache import vllm_cache_root
 from entrypoint.model_configs import ModelConfigs, read_model_configs, shape_only_copy
-from entrypoint.profiles import Profile
 from entrypoint.resolve import ResolvedEngine, check_model_limits, resolve
-from entrypoint.settings import Settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PLANNER_CODE = (Path(__file__).with_name("kv_capacity.py"),)
@@ -357,9 +357,9 @@ def plan_cache_key(resolved: ResolvedEngine, configs: ModelConfigs, tree: Tree) 
     """Everything a plan depends on: the resolved engine (minus `PLAN_IGNORED`), the model
     configs it reads, the patch series and the state of the installed tree, the vLLM
     version and the planner's code."""
+    from core.identity import digest_of
     from entrypoint.patches import series_fingerprint
     from entrypoint.verify import installed_vllm
-    from prepare.identity import digest_of
 
     return digest_of(
         {
@@ -447,7 +447,7 @@ def plan_engines(
 ) -> list[Plan]:
     """Plan several resolved engines with at most one vLLM process per version of the
     tree, and none for answers already in ``cache_dir`` (new answers are kept there)."""
-    from prepare.atomic import atomic_write_text
+    from core.atomic import atomic_write_text
 
     tree = tree or installed_tree()
     servings = [tree.serving(resolved) for resolved, _ in items]
@@ -564,7 +564,7 @@ def render_plan(plan: Plan) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from entrypoint.settings import load_settings, load_settings_profile
+    from core.settings import load_settings, load_settings_profile
 
     settings = load_settings(profile=args.profile)
     profile = load_settings_profile(settings)

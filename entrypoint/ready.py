@@ -30,14 +30,14 @@ from typing import Callable
 import httpx
 from pydantic import SecretStr
 
+from core.errors import ReadinessError
+from core.profiles import Profile
+from core.progress import say
+from core.settings import Settings
 from entrypoint.canary import ask_canary
 from entrypoint.client import StackClient
 from entrypoint.engine_output import FIRST_PHASE, Heartbeat, StartPhase
-from entrypoint.errors import ReadinessError
 from entrypoint.lifecycle import is_running, port_answers, process_start_time
-from entrypoint.profiles import Profile
-from entrypoint.settings import Settings
-from prepare.progress import say
 
 
 @dataclass
@@ -158,8 +158,8 @@ def base_url_for(settings: Settings) -> str:
 
 
 def write_status(settings: Settings, profile_name: str, report: ReadyReport) -> None:
+    from core.atomic import atomic_write_text
     from entrypoint.launch import status_path
-    from prepare.atomic import atomic_write_text
 
     atomic_write_text(status_path(settings, profile_name), json.dumps(asdict(report), indent=2) + "\n")
 

@@ -25,11 +25,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from entrypoint.errors import ProfileError, SettingsError
-from entrypoint.profiles import Profile
-from entrypoint.settings import Settings
+from core.checkpoint import text_config
+from core.errors import ProfileError, SettingsError
+from core.profiles import Profile
+from core.settings import Settings
 from entrypoint.topology import LinkReading
-from prepare.checkpoint import text_config
 
 # What the user can override, and the knob (environment name) that does it.
 KNOBS = {

@@ -19,14 +19,14 @@ import argparse
 import os
 import time
 
-from entrypoint.errors import PlanError
+from core.errors import PlanError
+from core.profiles import Profile
+from core.progress import say
+from core.settings import Settings
 from entrypoint.launch import load, render_invocation, resolve_on_this_host, write_run_files
 from entrypoint.model_configs import read_model_configs
 from entrypoint.plan import check_plannable, plan_engines
-from entrypoint.profiles import Profile
 from entrypoint.resolve import ResolvedEngine, check_allocator
-from entrypoint.settings import Settings
-from prepare.progress import say
 
 
 def run_preflight(profile: Profile, settings: Settings, resolved: ResolvedEngine) -> str:

@@ -24,9 +24,8 @@ from typing import Any
 
 import httpx
 
-from entrypoint.bench.stats import COUNTERS
-from entrypoint.client import Metrics, StackClient
-from entrypoint.errors import MonitoringError
+from core.errors import MonitoringError
+from entrypoint.client import COUNTERS, Metrics, StackClient
 from entrypoint.watchdog import KV_USAGE, RUNNING, WAITING
 
 PROCESS_START = "process_start_time_seconds"

@@ -43,15 +43,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from core.errors import LaunchError
+from core.profiles import SHUTDOWN_MARGIN_S, Profile
+from core.settings import Settings
 from entrypoint import lifecycle
 from entrypoint.asgi import INSTANCE_ENV
 from entrypoint.drain import DRAIN_ENV, STOP_SIGNAL
 from entrypoint.engine_main import GO, HOLD_ENV, die_with_parent
 from entrypoint.engine_output import Relay, StartPhase
-from entrypoint.errors import LaunchError
 from entrypoint.launch import Invocation, run_dir, status_path
-from entrypoint.profiles import SHUTDOWN_MARGIN_S, Profile
-from entrypoint.settings import Settings
 
 STOP_MARGIN_S = float(SHUTDOWN_MARGIN_S)  # after the drain: the engine core's teardown, uvicorn's exit, ours
 GROUP_GRACE_S = 5.0  # after the API server exits: its helpers' own cleanup (shared memory)

@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from entrypoint.errors import ToolchainError
+from core.errors import ToolchainError
 
 # Where the CUDA 13 wheels unpack, relative to site-packages.
 WHEEL_TREE = Path("nvidia") / "cu13"

@@ -45,11 +45,10 @@ from typing import Any
 
 import httpx
 
-from entrypoint.bench.stats import COUNTERS
+from core.errors import ReadinessError
+from core.settings import Settings
 from entrypoint.canary import ask_canary
-from entrypoint.client import Metrics, StackClient
-from entrypoint.errors import ReadinessError
-from entrypoint.settings import Settings
+from entrypoint.client import COUNTERS, Metrics, StackClient
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"

@@ -25,12 +25,12 @@ import sys
 import time
 from collections.abc import Callable
 
-from entrypoint.errors import ReadinessError
+from core.errors import ReadinessError
+from core.profiles import Profile
+from core.settings import Settings
 from entrypoint.lifecycle import is_running, port_answers, process_start_time
-from entrypoint.profiles import Profile
 from entrypoint.ready import ReadyReport, base_url_for
 from entrypoint.resolve import ResolvedEngine
-from entrypoint.settings import Settings
 
 POLL_S = 2.0
 LOST_AFTER_S = 6.0  # three polls in a row without an answer

@@ -37,11 +37,10 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from entrypoint.errors import AdapterError, VerifyError
-from prepare.atomic import atomic_directory
-from prepare.directions import TARGET_KINDS, TARGET_RE, Directions, read_directions, target_modules
-from prepare.identity import ArtifactIdentity, DerivedIdentity, GeneratedIdentity, InputRef
-from prepare.manifest import (
+from core.atomic import atomic_directory
+from core.errors import AdapterError, VerifyError
+from core.identity import ArtifactIdentity, DerivedIdentity, GeneratedIdentity, InputRef
+from core.manifest import (
     MANIFEST_NAME,
     Manifest,
     ManifestError,
@@ -50,6 +49,7 @@ from prepare.manifest import (
     sha256_file,
     write_manifest,
 )
+from prepare.directions import TARGET_KINDS, TARGET_RE, Directions, read_directions, target_modules
 from prepare.weight_formats import (
     Checkpoint,
     DecodeScratch,
@@ -132,7 +132,7 @@ def directions_location(path: Path | str) -> tuple[Path, Path]:
 
 
 def _reference(manifest: Manifest, role: str) -> InputRef:
-    # What `prepare.manifest.input_ref` reads, from the manifest already checked above.
+    # What `core.manifest.input_ref` reads, from the manifest already checked above.
     return InputRef(role=role, identity=manifest.identity, manifest_digest=manifest.digest)
 
 
@@ -461,7 +461,7 @@ def _adapter_config(
 
 def _progress(total: int, enabled: bool):
     """Modules converted (a bar in a terminal, else a line every 20 s); nothing unless ``enabled``."""
-    from prepare.progress import Progress
+    from core.progress import Progress
 
     return Progress("adapter: modules converted", total, unit="module", shown=enabled)
 

@@ -2,8 +2,8 @@
 
 Each step module exposes ``register(subparsers)`` and is listed in `STEP_MODULES`;
 ``qwen38 prepare --profile P`` (no step named) runs every step the profile still needs.
-Every one of these commands records what it hashes (`prepare.proofs`) and leaves it in
-verify's stat cache under CACHE_DIR when it ends (`entrypoint.stat_cache.leave_proofs`):
+Every one of these commands records what it hashes (`core.proofs`) and leaves it in
+verify's stat cache under CACHE_DIR when it ends (`core.stat_cache.leave_proofs`):
 the first `qwen38 serve` then verifies those files without reading them again.
 """
 
@@ -52,11 +52,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_prepare_profile(args: argparse.Namespace) -> int:
-    from entrypoint import profiles
-    from entrypoint.settings import load_settings
-    from prepare.artifact_lock import LOCK_PATH
+    from core import profiles
+    from core.artifact_lock import LOCK_PATH
+    from core.progress import say
+    from core.settings import load_settings
     from prepare.pipeline import HubAccess, prepare_profile
-    from prepare.progress import say
 
     settings = load_settings(profile=args.profile)
     profile = profiles.load_profile(settings.profile, settings.profiles_dir)
@@ -84,7 +84,7 @@ def _leaving_proofs(command):
 
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
-        from prepare.proofs import recording
+        from core.proofs import recording
 
         with recording() as ledger:
             try:
@@ -97,10 +97,10 @@ def _leaving_proofs(command):
 
 
 def _leave_in_stat_cache(ledger, profile: str | None) -> None:
-    from entrypoint.errors import StackError
-    from entrypoint.settings import load_settings
-    from entrypoint.stat_cache import CACHE_FILE, StatCache, leave_proofs
-    from prepare.progress import say
+    from core.errors import StackError
+    from core.progress import say
+    from core.settings import load_settings
+    from core.stat_cache import CACHE_FILE, StatCache, leave_proofs
 
     try:
         cache_dir = Path(load_settings(profile=profile).cache_dir)

@@ -25,7 +25,7 @@ from such an input, because nothing in the lock pins it.
 Untouched input files are placed by `place_file`: a hard link where possible, else a
 reflink, else a copy. The input is only ever read, so its bytes and its own manifest stay
 valid; a hard link's sha256 is taken from the input manifest instead of being hashed
-again (`prepare.manifest.LinkedFile`).
+again (`core.manifest.LinkedFile`).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from entrypoint.errors import PrepareError
-from prepare import progress, proofs
-from prepare.atomic import atomic_directory
-from prepare.hashing import hash_files
-from prepare.identity import DerivedIdentity, GeneratedIdentity, InputRef
-from prepare.manifest import (
+from core import progress, proofs
+from core.atomic import atomic_directory
+from core.errors import PrepareError
+from core.hashing import hash_files
+from core.identity import DerivedIdentity, GeneratedIdentity, InputRef
+from core.manifest import (
     MANIFEST_NAME,
     LinkedFile,
     Manifest,

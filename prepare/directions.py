@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from entrypoint.errors import AdapterError
-from prepare.atomic import atomic_file
+from core.atomic import atomic_file
+from core.errors import AdapterError
 from prepare.weight_formats import Checkpoint, describe_linear, open_checkpoint
 
 if TYPE_CHECKING:

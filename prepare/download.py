@@ -14,7 +14,7 @@ downloaded, i.e. ``artifact`` set and ``transform`` unset):
    the staged bytes, and only when size and sha256 match the lock fsync and rename the
    file into place; a mismatch discards the staged file and names repo, revision, file,
    expected and found;
-5. write the manifest last (`prepare.manifest.write_manifest`).
+5. write the manifest last (`core.manifest.write_manifest`).
 
 Where files land: ``MODELS_DIR/<slot.dir>`` for ``--profile``; ``MODELS_DIR/<artifact
 key>`` for an artifact named on the command line (the default directory of every
@@ -34,18 +34,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from entrypoint.errors import DownloadError
-from prepare.artifact_lock import (
-    LOCK_PATH,
-    ArtifactLock,
-    LockedArtifact,
-    LockedFile,
-    effective_lock,
-    load_lock,
-)
-from prepare import progress, proofs
-from prepare.hashing import hash_files, sha256_file
-from prepare.manifest import MANIFEST_NAME, Manifest, ManifestError, content_files, read_manifest, write_manifest
+from core import progress, proofs
+from core.artifact_lock import LOCK_PATH, ArtifactLock, LockedArtifact, LockedFile, effective_lock, load_lock
+from core.errors import DownloadError
+from core.hashing import hash_files, sha256_file
+from core.manifest import MANIFEST_NAME, Manifest, ManifestError, content_files, read_manifest, write_manifest
 
 STAGING_DIR = ".qwen38-staging"
 LOCK_FILE = ".qwen38-download.lock"
@@ -312,7 +305,7 @@ def download_artifact(
             # The hub draws its own bar in a terminal; without one, lines from the staging file's size.
             with progress.watching(staging, f"{artifact.key}: download {entry.path}", entry.size, bar=False):
                 fetch(entry, staging)  # type: ignore[misc]
-            # Staged bytes are ours alone: what is hashed here is what was written (`prepare.proofs`).
+            # Staged bytes are ours alone: what is hashed here is what was written (`core.proofs`).
             with proofs.written_here(staging_dir), progress.Progress(f"{artifact.key}: sha256 {entry.path}",
                                                                      entry.size) as bar:
                 found = sha256_file(staging, bar.update)
@@ -342,7 +335,7 @@ def download_artifact(
 def resolve_targets(
     args: argparse.Namespace, lock: ArtifactLock, lock_path: Path, profiles_dir: Path
 ) -> list[DownloadTarget]:
-    from entrypoint import profiles
+    from core import profiles
 
     if args.profile and args.artifacts:
         raise DownloadError("name artifacts or --profile, not both")
@@ -361,7 +354,7 @@ def resolve_targets(
 
 
 def _cmd_download(args: argparse.Namespace) -> int:
-    from entrypoint.settings import load_settings
+    from core.settings import load_settings
     from prepare.pinning import check_pinnable, pin_at_first_use
 
     lock_path = Path(args.lock)

@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from entrypoint.errors import PrepareError
-from prepare.checkpoint import CONFIG_NAME, read_json
+from core.checkpoint import CONFIG_NAME, read_json
+from core.errors import PrepareError
+from core.identity import DerivedIdentity
+from core.manifest import sha256_file
+from core.safetensors_stream import ShardWriter, TensorSpec
 from prepare.derived import build_lock, derived_directory, is_up_to_date, open_input, refuse_overlap
-from prepare.identity import DerivedIdentity
-from prepare.manifest import sha256_file
-from prepare.safetensors_stream import ShardWriter, TensorSpec
 
 TRANSFORM = "draft-vocab"
 TRANSFORM_VERSION = "1"  # bump whenever the output bytes would change for the same input and params

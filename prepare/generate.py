@@ -21,7 +21,7 @@ from a generator seeded by (seed, tensor name, block), so the bytes do not depen
 number of workers and nothing bigger than a block is ever in memory. Each directory is
 built in a staging directory, hashed into its manifest (identity: generator ``tiny`` - the
 ``generated = "tiny"`` of a profile slot -, its version, the preset, the model and the
-seed) and swapped in whole (`prepare.atomic`).
+seed) and swapped in whole (`core.atomic`).
 """
 
 from __future__ import annotations
@@ -37,20 +37,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from entrypoint.errors import PrepareError
-from prepare.atomic import atomic_directory
-from prepare.checkpoint import INDEX_NAME
-from prepare.identity import GeneratedIdentity
-from prepare.manifest import read_manifest, write_manifest
-from prepare.safetensors_stream import encode_header
+from core.atomic import atomic_directory
+from core.checkpoint import INDEX_NAME
+from core.errors import PrepareError
+from core.identity import GeneratedIdentity
+from core.manifest import read_manifest, write_manifest
+from core.safetensors_stream import encode_header
 from prepare.synthetic import (
     PRESET_NAMES,
+    TINY,
     TINY_PRESET,
     VARIANTS,
     Preset,
     Recipe,
     StoredTensor,
-    TINY,
     dflash1_config,
     drafter_config,
     drafter_tensors,
@@ -253,7 +253,7 @@ def _worker_init() -> None:
 
 def shard_tasks(directory: Path, shards: dict[str, list[StoredTensor]], seed: int) -> list[BlockTask]:
     """Create every shard at its final size with its header; the block tasks that fill it."""
-    from prepare.safetensors_stream import TensorSpec
+    from core.safetensors_stream import TensorSpec
 
     tasks: list[BlockTask] = []
     for shard, tensors in shards.items():

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from entrypoint.errors import DownloadError
-from prepare.hashing import git_blob_sha1
-from prepare.identity import COMMIT_RE, SHA256_RE
+from core.errors import DownloadError
+from core.hashing import git_blob_sha1
+from core.identity import COMMIT_RE, SHA256_RE
 
 
 @dataclass(frozen=True)

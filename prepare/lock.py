@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from entrypoint.errors import ArtifactError, DependencyLockError
-from prepare.artifact_lock import LOCK_PATH, effective_lock, load_lock, local_lock_path, write_lock
+from core.artifact_lock import LOCK_PATH, effective_lock, load_lock, local_lock_path, write_lock
+from core.errors import ArtifactError, DependencyLockError
 from prepare.pinning import describe_change, pin_hub_artifact, pin_local_artifact
 
 
@@ -50,7 +50,7 @@ def _cmd_update(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from entrypoint.settings import load_settings
+    from core.settings import load_settings
 
     lock_path = Path(args.lock)
     models_dir = Path(args.models_dir) if args.models_dir else Path(load_settings().models_dir)

@@ -19,18 +19,11 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from entrypoint.errors import ArtifactError
-from prepare.artifact_lock import (
-    LOCK_PATH,
-    UNPINNED,
-    LockedArtifact,
-    LockedFile,
-    agree_with_known,
-    record_local_pin,
-)
-from prepare import progress
-from prepare.hashing import hash_files, sha256_file
-from prepare.manifest import content_files
+from core import progress
+from core.artifact_lock import LOCK_PATH, UNPINNED, LockedArtifact, LockedFile, agree_with_known, record_local_pin
+from core.errors import ArtifactError
+from core.hashing import hash_files, sha256_file
+from core.manifest import content_files
 
 BRANCH_HEAD = "main"
 """The branch an owner's ALLOW_BRANCH_HEAD resolves (huggingface_hub's default revision)."""

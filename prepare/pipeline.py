@@ -33,11 +33,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from entrypoint.errors import PrepareError
-from entrypoint.profiles import ModelSlot, Profile
-from prepare.artifact_lock import LOCK_PATH, ArtifactLock, effective_lock, load_lock
-from prepare import progress
-from prepare.manifest import MANIFEST_NAME
+from core import progress
+from core.artifact_lock import LOCK_PATH, ArtifactLock, effective_lock, load_lock
+from core.errors import PrepareError
+from core.manifest import MANIFEST_NAME
+from core.profiles import ModelSlot, Profile
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,8 @@ def check_plan(steps: list[Step], lock: ArtifactLock, lock_path: Path | str, all
 
 def _tiny_is_current(directory: Path, recheck: bool) -> bool:
     """A tiny model directory this generator wrote (with ``recheck``: every byte as listed)."""
-    from prepare.identity import GeneratedIdentity
-    from prepare.manifest import ManifestError, read_manifest
+    from core.identity import GeneratedIdentity
+    from core.manifest import ManifestError, read_manifest
     from prepare.generate import GENERATOR_VERSION
 
     try:
@@ -218,8 +218,8 @@ def _run_download(
 
 def _files_match(directory: Path) -> bool:
     """``directory`` holds exactly its manifest's files, each hashing as listed (``--recheck``)."""
-    from prepare.hashing import hash_files
-    from prepare.manifest import ManifestError, content_files, read_manifest
+    from core.hashing import hash_files
+    from core.manifest import ManifestError, content_files, read_manifest
 
     try:
         manifest = read_manifest(directory)
@@ -251,8 +251,8 @@ def _run_requantize(step: Step, recheck: bool, say: Callable[[str], None]) -> bo
 
 def _derived_is_current(step: Step, profile: Profile, lock: ArtifactLock, lock_path: Path | str) -> bool:
     """A transform's output whose identity verify accepts and whose files are all there."""
-    from entrypoint.verify import check_slot_identity
-    from prepare.manifest import ManifestError, content_files, read_manifest
+    from core.manifest import ManifestError, content_files, read_manifest
+    from prepare.slot_identity import check_slot_identity
 
     slot = dict(_slots(profile))[step.slot]
     try:
@@ -330,7 +330,7 @@ def _one_preparer(models_dir: Path) -> Iterator[None]:
 
 def _remove_staging_leftovers(steps: list[Step], say: Callable[[str], None]) -> None:
     """What a killed run left beside the directories it was building (``.<name>.<id>.incomplete``)."""
-    from prepare.atomic import remove_stale_staging
+    from core.atomic import remove_stale_staging
 
     for parent in sorted({step.directory.parent for step in steps}):
         for removed in remove_stale_staging(parent):

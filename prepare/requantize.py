@@ -40,20 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from entrypoint.errors import PrepareError
-from prepare.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, open_checkpoint
-from prepare.derived import (
-    InputDirectory,
-    build_lock,
-    derived_directory,
-    is_up_to_date,
-    open_input,
-    refuse_overlap,
-)
-from prepare.hashing import sha256_file
-from prepare.identity import DerivedIdentity
-from prepare.manifest import MANIFEST_NAME, ManifestFile
-from prepare.safetensors_stream import DTYPE_SIZES, SafetensorsFile, ShardWriter, TensorSpec
+from core.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, open_checkpoint
+from core.errors import PrepareError
+from core.hashing import sha256_file
+from core.identity import DerivedIdentity
+from core.manifest import MANIFEST_NAME, ManifestFile
+from core.safetensors_stream import DTYPE_SIZES, SafetensorsFile, ShardWriter, TensorSpec
+from prepare.derived import InputDirectory, build_lock, derived_directory, is_up_to_date, open_input, refuse_overlap
 
 TRANSFORM = "requantize-int8"
 TRANSFORM_VERSION = "1"  # bump whenever the output bytes would change for the same input and params
@@ -550,7 +543,7 @@ def requantize_checkpoint(
 
 def _progress(total: int, enabled: bool, dst: Path) -> Any:
     """Bytes of the tables being requantized (a bar in a terminal, else a line every 20 s)."""
-    from prepare.progress import Progress
+    from core.progress import Progress
 
     return Progress(f"requantize {dst.name}: int8 tables", total, shown=enabled)
 

@@ -40,8 +40,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from entrypoint.errors import PrepareError
-from prepare.checkpoint import INDEX_NAME
+from core.errors import PrepareError
 
 MODEL_CONFIGS = Path(__file__).resolve().parent.parent / "profiles" / "model-configs"
 GROUP = 128  # W4A16 and GPTQ group size

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from entrypoint.errors import PrepareError
+from core.errors import PrepareError
 
 TRANSFORM_MODULES: dict[str, str] = {
     "requantize-int8": "prepare.requantize",

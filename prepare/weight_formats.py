@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from entrypoint.errors import PrepareError
-from prepare.checkpoint import INDEX_NAME, text_config
+from core.checkpoint import INDEX_NAME, text_config
+from core.errors import PrepareError
 
 if TYPE_CHECKING:
     import torch

@@ -81,7 +81,7 @@ def _hermetic_environment() -> None:
     API_KEY_FILE, PROFILE, PORT, ...) and none of the hub's variables reach a test or a process
     it starts. Each test sets what it needs. (Seen 2026-12-06: with VLLM_API_KEY exported, a
     compose test failed with "VLLM_API_KEY and API_KEY_FILE are both set".)"""
-    from entrypoint.settings import Settings
+    from core.settings import Settings
 
     unset = ({name.upper() for name in Settings.model_fields} - MACHINE_KNOBS) | HUB_VARIABLES
     for name in [name for name in os.environ if name.upper() in unset]:
@@ -120,7 +120,7 @@ def free_port() -> int:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The test process's environment without any of our knobs, plus ``extra``."""
-    from entrypoint.settings import Settings
+    from core.settings import Settings
 
     knobs = {name.upper() for name in Settings.model_fields} - MACHINE_KNOBS | {"CUDA_VISIBLE_DEVICES"}
     env = {k: v for k, v in os.environ.items() if k.upper() not in knobs}
@@ -243,9 +243,9 @@ def wait_ready(server: Server, timeout: float = 600) -> Server:
 
 
 def spec_decode_delta(server: Server, body: dict) -> dict[str, float]:
-    """The /metrics counters (entrypoint.bench.stats.COUNTERS: drafts, draft_tokens,
+    """The /metrics counters (bench.stats.COUNTERS: drafts, draft_tokens,
     accepted_tokens, ...) moved by one /v1/completions request."""
-    from entrypoint.bench.stats import metric_delta
+    from bench.stats import metric_delta
     from entrypoint.client import StackClient
 
     with StackClient(server.base_url, server.api_key) as client:

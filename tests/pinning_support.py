@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from entrypoint.profiles import Profile
-from entrypoint.settings import Settings
+from core.profiles import Profile
+from core.settings import Settings
 from tests.hub_server import FakeHub
 
 
@@ -71,9 +71,9 @@ def age(path: Path, seconds: float = 3600) -> None:
 @pytest.fixture
 def no_racy_window(monkeypatch):
     """Files written by a test are hashed within the racy window; allow trusting them."""
-    import entrypoint.stat_cache
+    import core.stat_cache
 
-    monkeypatch.setattr(entrypoint.stat_cache, "RACY_WINDOW_NS", 0)
+    monkeypatch.setattr(core.stat_cache, "RACY_WINDOW_NS", 0)
 
 
 @pytest.fixture

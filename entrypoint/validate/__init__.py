@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from core.errors import SettingsError, ValidationFailed
 from entrypoint.client import StackClient
-from entrypoint.errors import SettingsError, ValidationFailed
 from entrypoint.validate.cache_isolation import DEFAULT_PREFIX_TOKENS
 from entrypoint.validate.report import Report
 
@@ -19,14 +19,14 @@ from entrypoint.validate.report import Report
 def _target(args: argparse.Namespace) -> tuple[str, str | None]:
     """Base URL and key: explicit flags, else the local deployment's settings.
 
-    The key's precedence is `entrypoint.settings.client_api_key`'s, as for every command.
+    The key's precedence is `core.settings.client_api_key`'s, as for every command.
     """
-    from entrypoint.settings import client_api_key
+    from core.settings import client_api_key
 
     if args.base_url:
         return args.base_url, client_api_key(args.api_key, args.api_key_file)
+    from core.settings import load_settings
     from entrypoint.ready import base_url_for
-    from entrypoint.settings import load_settings
 
     settings = load_settings()
     return base_url_for(settings), client_api_key(args.api_key, args.api_key_file)

@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from entrypoint.errors import SettingsError
+from core.errors import SettingsError
 from entrypoint.validate.apis import TOOL_DESCRIPTION, TOOL_NAME, TOOL_PROMPT, TOOL_SCHEMA, tool_args_ok
 from entrypoint.validate.report import Report
 

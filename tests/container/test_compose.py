@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from core.settings import Settings
 from entrypoint.images import (
     IMAGES,
     PINNED_REFERENCE,
@@ -23,7 +24,6 @@ from entrypoint.images import (
     published_tag,
     unpin_compose_image,
 )
-from entrypoint.settings import Settings
 from tests.container.tools import COMPOSE_FILE, PROFILES, REPO, compose, compose_config
 
 pytestmark = pytest.mark.container
@@ -159,10 +159,10 @@ def test_healthcheck_is_the_readiness_gate_and_waits_as_long_as_a_first_start(co
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_stop_grace_period_outlasts_the_servers_drain(configs, profile, tmp_path):
+    from core.profiles import MAX_SHUTDOWN_TIMEOUT_S, SHUTDOWN_MARGIN_S, load_profile
+    from core.settings import load_settings
     from entrypoint.drain import DRAIN_ENV
     from entrypoint.launch import render_invocation
-    from entrypoint.profiles import MAX_SHUTDOWN_TIMEOUT_S, SHUTDOWN_MARGIN_S, load_profile
-    from entrypoint.settings import load_settings
 
     server = configs[profile]["services"][profile]
     settings = load_settings(env_file=None, profile=profile, models_dir=tmp_path, cache_dir=tmp_path)
@@ -263,9 +263,9 @@ def test_the_pair_services_render_what_the_hosts_run(tmp_path):
     rank 0 with the API, the worker rank 1 headless with its own address."""
     from pydantic import SecretStr
 
+    from core.profiles import load_profile
+    from core.settings import load_settings
     from entrypoint.launch import render_invocation
-    from entrypoint.profiles import load_profile
-    from entrypoint.settings import load_settings
 
     for name, rank, dotenv in (("spark-pair", 0, PAIR_ENV), ("spark-pair-worker", 1, WORKER_ENV)):
         env = compose_config(name, env=dotenv)["services"][name]["environment"]
@@ -351,7 +351,7 @@ def test_pinning_rewrites_only_that_images_default_and_unpinning_restores_the_lo
     repinned = pin_compose_image(pinned, IMAGES["spark"], reference.replace("ab" * 32, "12" * 32))
     assert compose_default(repinned, IMAGES["spark"]).endswith("12" * 32)  # the next release replaces the pin
     assert unpin_compose_image(pinned, IMAGES["spark"]) == text
-    from entrypoint.errors import ImageError
+    from core.errors import ImageError
 
     for wrong in ("ghcr.io/qwen38-stack/qwen38-stack:latest", "qwen38-stack:0.1.0-spark"):
         with pytest.raises(ImageError, match="REPOSITORY:TAG@sha256"):

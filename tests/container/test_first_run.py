@@ -37,16 +37,16 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
+from core.artifact_lock import UNPINNED, ArtifactLock, LockedArtifact, LockedFile, load_lock, write_lock
 from entrypoint.images import IMAGES, build_args
-from prepare.artifact_lock import UNPINNED, ArtifactLock, LockedArtifact, LockedFile, load_lock, write_lock
 from tests.container.compose_project import ComposeProject, cli_env, wait_healthy
 from tests.container.docker_daemon import PrivateDockerDaemon
 from tests.container.tools import COMPOSE_FILE, REPO

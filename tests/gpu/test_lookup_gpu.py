@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from entrypoint.bench.stats import metric_delta
+from bench.stats import metric_delta
 from entrypoint.client import StackClient
 from tests.conftest import launch_server, spec_decode_delta, stop_server, wait_ready
 from tests.gpu.conftest import record

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.plans import seed_plans  # noqa: F401
 from prepare.generate import int8_embed_pair
 from tests.gpu.conftest import record
+from tests.support.plans import seed_plans  # noqa: F401
 from tests.support.vllm_views import last_json_line, run_python
 
 pytestmark = pytest.mark.gpu
@@ -191,8 +191,8 @@ def test_planner_equals_what_the_cuda_engine_logs(vllm_views, tmp_path_factory, 
     against the real CUDA engine: same "GPU KV cache size" for a tiny hybrid."""
     import torch
 
+    from core.profiles import Profile
     from entrypoint.plan import plan_profile
-    from entrypoint.profiles import Profile
     from tests.support.plans import user_settings
     from tests.support.vllm_views import child_pythonpath
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import tomli_w
 
-from entrypoint.profiles import load_profile
+from core.profiles import load_profile
 
 TINY_MAX_MODEL_LEN = 8192
 # The GPU profiles' slots as `qwen38 tiny` generates them (the DFlash2 drafter: drafter2).

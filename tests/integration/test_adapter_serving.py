@@ -31,11 +31,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from core.manifest import MANIFEST_NAME
 from prepare.directions import read_directions
-from prepare.manifest import MANIFEST_NAME
 from tests.support import avx2_kernels
-from tests.support.session_cache import session_vllm_cache
 from tests.support.lora_probe import PROMPTS
+from tests.support.session_cache import session_vllm_cache
 from tests.support.vllm_env import vllm_child_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
+from core.errors import ReadinessError
 from entrypoint.client import StackClient
 from entrypoint.engine_output import FIRST_PHASE, PHASES
-from entrypoint.errors import ReadinessError
 from entrypoint.ready import run_gate
 from tests.conftest import CACHE_PREFIX_TOKENS, clean_env, run_cli
 from tests.support.prefix_cache import alone_and_resumed, cached_tokens, kv_block_tokens, sendings, token_prompt

@@ -5,10 +5,9 @@ tests after this file.)"""
 
 from __future__ import annotations
 
-
 import pytest
 
-from entrypoint.bench.stats import metric_delta
+from bench.stats import metric_delta
 from entrypoint.client import StackClient
 from tests.conftest import clean_env, run_cli, spec_decode_delta
 from tests.support.chain_copy import chain_document, greedy_ids

@@ -31,21 +31,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.shutdown import stop_mid_stream
+from core.profiles import SHUTDOWN_MARGIN_S
 from entrypoint.auth import OPEN_PATHS
-from entrypoint.bench.shutdown import stop_mid_stream
 from entrypoint.drain import SHUTDOWN_MESSAGE
 from entrypoint.lifecycle import engine_group, process_alive, processes_of_instance, read_record, record_path
-from entrypoint.profiles import SHUTDOWN_MARGIN_S
-from tests.conftest import (
-    QWEN38,
-    clean_env,
-    free_port,
-    launch_server,
-    read_verdict,
-    run_cli,
-    stop_server,
-    wait_ready,
-)
+from tests.conftest import QWEN38, clean_env, free_port, launch_server, read_verdict, run_cli, stop_server, wait_ready
 from tests.support.routes import concrete, logged_routes
 from tests.support.vllm_views import env_with_vllm_view, view_without
 
@@ -137,8 +128,8 @@ def test_a_second_serve_on_a_busy_port_fails_at_once_and_never_reports_ready(
 
 
 def test_the_gate_and_the_healthcheck_refuse_a_server_started_by_another_instance(cpu_server, api_key_file, tmp_path):
+    from core.errors import ReadinessError
     from entrypoint.client import StackClient
-    from entrypoint.errors import ReadinessError
     from entrypoint.ready import run_gate
 
     with StackClient(cpu_server.base_url, cpu_server.api_key) as client:

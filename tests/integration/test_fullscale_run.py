@@ -16,8 +16,8 @@ import tarfile
 
 import pytest
 
-from entrypoint.bench import fullscale_steps as fs
-from entrypoint.bench.fullscale_run import run
+from bench import fullscale_steps as fs
+from bench.fullscale_run import run
 from tests.conftest import free_port
 
 pytestmark = [

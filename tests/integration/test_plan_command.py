@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from core.profiles import PROFILES_DIR, load_profile
 from entrypoint.compile_cache import vllm_cache_root
-from entrypoint.profiles import PROFILES_DIR, load_profile
 from entrypoint.resolve import resolve
 from tests.conftest import clean_env, run_cli
 from tests.support.plans import user_settings

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from entrypoint.bench.stats import metric_delta
+from bench.stats import metric_delta
 from entrypoint.client import StackClient
 
 MODEL = "qwen3.8-27b"

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prepare.identity import GeneratedIdentity
-from prepare.manifest import Manifest, write_manifest
+from core.identity import GeneratedIdentity
+from core.manifest import Manifest, write_manifest
 
 TEST_GENERATOR = "test"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from entrypoint.profiles import PROFILES_DIR
+from core.profiles import PROFILES_DIR
 
 
 def tensor_parallel_profiles(directory: Path) -> Path:

@@ -43,8 +43,8 @@ def user_settings(profile: str = "cpu", **values):
     """`Settings` for ``profile`` with exactly ``values`` overridden (no .env, no knob from
     the environment); ``models_dir`` defaults to a directory with no models in it, and a
     multi-host profile gets the head's link knobs (`PAIR_HEAD`) unless ``values`` names them."""
-    from entrypoint.profiles import PROFILES_DIR, load_profile
-    from entrypoint.settings import Settings
+    from core.profiles import PROFILES_DIR, load_profile
+    from core.settings import Settings
 
     directory = values.get("profiles_dir", PROFILES_DIR)
     pair = PAIR_HEAD if load_profile(profile, directory).parallel.nodes > 1 else {}
@@ -62,9 +62,9 @@ def planner_pythonpath(monkeypatch):
 @pytest.fixture(scope="session")
 def seed_plans(tmp_path_factory):
     """{(profile, prefix_caching): Plan} for the provisional profiles, both trees."""
+    from core.profiles import load_profile
     from entrypoint.model_configs import read_model_configs
     from entrypoint.plan import plan_engines
-    from entrypoint.profiles import load_profile
     from entrypoint.resolve import resolve
 
     if importlib.util.find_spec("vllm") is None:

@@ -15,8 +15,8 @@ import re
 import uuid
 from pathlib import Path
 
+from core.settings import client_api_key
 from entrypoint.client import StackClient
-from entrypoint.settings import client_api_key
 
 BLOCK_SIZE_LOG = re.compile(r"Setting attention block size to (\d+) tokens")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from prepare.manifest import MANIFEST_NAME
+from core.manifest import MANIFEST_NAME
 from tests.support.quantize import (
     E2M1_MAX,
     FP8_MAX,

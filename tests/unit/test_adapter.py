@@ -9,8 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from core.errors import AdapterError, VerifyError
+from core.identity import ArtifactIdentity, DerivedIdentity
+from core.manifest import MANIFEST_NAME, input_ref, read_manifest, sha256_file, write_manifest
 from entrypoint.cli import main
-from entrypoint.errors import AdapterError, VerifyError
 from prepare.adapter import (
     CONVERSION_FILE,
     TRANSFORM,
@@ -20,8 +22,6 @@ from prepare.adapter import (
     verify_adapter_binding,
 )
 from prepare.directions import target_modules, write_directions
-from prepare.identity import ArtifactIdentity, DerivedIdentity
-from prepare.manifest import MANIFEST_NAME, input_ref, read_manifest, sha256_file, write_manifest
 from prepare.weight_formats import open_checkpoint
 from tests.support.identified import seal
 from tests.support.quantize import stored_module

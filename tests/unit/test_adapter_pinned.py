@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 
 import entrypoint.verify
-from entrypoint.profiles import Profile, load_profile
+from core.artifact_lock import LOCK_PATH, ArtifactLock, LockedFile, load_lock, write_lock
+from core.hashing import hash_files
+from core.manifest import content_files, read_manifest, write_manifest
+from core.profiles import Profile, load_profile
 from entrypoint.verify import PatchState, VerifyFailed, verify_profile
 from prepare.adapter import build_adapter, build_profile_adapter, check_profile_adapter
-from prepare.artifact_lock import LOCK_PATH, ArtifactLock, LockedFile, load_lock, write_lock
 from prepare.directions import random_directions, target_modules
 from prepare.download import default_dir, download_artifact
-from prepare.hashing import hash_files
 from prepare.pinning import pin_local_artifact
-from prepare.manifest import content_files, read_manifest, write_manifest
 from prepare.weight_formats import open_checkpoint
 from tests.pinning_support import make_settings
 from tests.support.spark_like import quantize_like_spark, with_vl_names
@@ -199,7 +199,7 @@ def test_a_changed_adapter_file_fails_with_one_line(spark):
 
 def test_a_directions_file_that_is_not_the_pinned_one_fails_before_any_build(spark):
     # Copied over the imported file by hand: the build refuses it (sha256 vs its manifest)
-    from entrypoint.errors import AdapterError
+    from core.errors import AdapterError
 
     imported = spark.directions_dir / "mode-b.safetensors"
     random_directions(spark.slot_dir("target"), imported, seed=3)

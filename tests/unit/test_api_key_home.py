@@ -1,4 +1,4 @@
-"""The API key has one home, `entrypoint.settings` (`read_api_key`, `client_api_key`): one
+"""The API key has one home, `core.settings` (`read_api_key`, `client_api_key`): one
 precedence for every command (an explicit --api-key / --api-key-file wins over the settings;
 else VLLM_API_KEY or API_KEY_FILE, from the environment, then .env), and VLLM_API_KEY with
 API_KEY_FILE both set is refused everywhere, in one line that never holds the key."""
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import SettingsError
 from entrypoint.cli import build_parser
-from entrypoint.errors import SettingsError
 from tests.conftest import REPO, clean_env, run_cli
 
 HOME = REPO / "entrypoint" / "settings.py"
@@ -68,7 +68,7 @@ def _reads_of_key_settings(path: Path, root: Path = REPO) -> list[str]:
 def test_only_the_settings_module_reads_the_api_key():
     sources = [p for d in ("entrypoint", "prepare") for p in sorted((REPO / d).rglob("*.py")) if p != HOME]
     readers = [hit for path in sources for hit in _reads_of_key_settings(path)]
-    assert readers == [], "read the API key through entrypoint.settings.client_api_key / read_api_key"
+    assert readers == [], "read the API key through core.settings.client_api_key / read_api_key"
 
 
 def test_the_guard_sees_each_kind_of_read(tmp_path):
@@ -105,7 +105,7 @@ def _validate_local_key(*argv: str) -> str | None:
 
 
 def _bench_key(*argv: str) -> str | None:
-    from entrypoint.bench.serving import api_key
+    from bench.serving import api_key
 
     args = build_parser("bench").parse_args(
         ["bench", "c1", "--base-url", "http://127.0.0.1:1", "--model", "m", *argv]
@@ -114,7 +114,7 @@ def _bench_key(*argv: str) -> str | None:
 
 
 def _watchdog_key(*argv: str) -> str | None:
-    from entrypoint.bench.serving import api_key
+    from bench.serving import api_key
 
     args = build_parser("bench").parse_args(
         ["bench", "watchdog", "--base-url", "http://127.0.0.1:1", "--model", "m", *argv]
@@ -178,8 +178,8 @@ def _run_shutdown(monkeypatch, tmp_path, generated: bool) -> str:
     """`bench shutdown` up to the key it sends, the server and the streams faked."""
     import subprocess
 
-    import entrypoint.bench.shutdown as shutdown
-    import entrypoint.bench.startup as startup
+    import bench.shutdown as shutdown
+    import bench.startup as startup
     from entrypoint.keys import init_key_file
 
     def engine_env(profile, workdir):

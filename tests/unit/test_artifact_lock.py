@@ -6,8 +6,7 @@ import hashlib
 
 import pytest
 
-from entrypoint.errors import ArtifactError
-from prepare.artifact_lock import (
+from core.artifact_lock import (
     LOCK_PATH,
     UNPINNED,
     ArtifactLock,
@@ -18,6 +17,7 @@ from prepare.artifact_lock import (
     render_lock,
     write_lock,
 )
+from core.errors import ArtifactError
 
 KEYS = {
     "qwen3.8-27b-w4a16",

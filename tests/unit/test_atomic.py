@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from prepare.atomic import atomic_directory, atomic_file, atomic_write_text, remove_stale_staging
+from core.atomic import atomic_directory, atomic_file, atomic_write_text, remove_stale_staging
 
 
 def test_a_failed_file_write_leaves_the_old_file_and_no_staging(tmp_path):

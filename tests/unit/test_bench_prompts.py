@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from entrypoint.bench import prompts, workloads
-from entrypoint.bench.workloads import WORKLOADS, Context, params_from_args
-from entrypoint.errors import BenchError
+from bench import prompts, workloads
+from bench.workloads import WORKLOADS, Context, params_from_args
+from core.errors import BenchError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ def test_text_streams_are_pinned_to_the_prompts_version(name):
 
 def test_streams_do_not_depend_on_the_interpreter_hash_seed():
     code = (
-        "from entrypoint.bench import prompts; import itertools; "
+        "from bench import prompts; import itertools; "
         "print(''.join(itertools.islice(prompts.document(prompts.SeededStream('x', 3)), 50)))"
     )
     outs = {

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from entrypoint.bench.startup import _engine_env
-from entrypoint.profiles import PROFILES_DIR
+from bench.startup import _engine_env
+from core.profiles import PROFILES_DIR
 
 
 def test_a_profile_from_profiles_dir_that_needs_a_key_gets_a_throwaway_one(tmp_path, monkeypatch):

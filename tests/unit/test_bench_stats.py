@@ -9,9 +9,9 @@ import random
 import numpy as np
 import pytest
 
-from entrypoint.bench import report
-from entrypoint.bench.measurement import PointRun, RequestSpec
-from entrypoint.bench.stats import (
+from bench import report
+from bench.measurement import PointRun, RequestSpec
+from bench.stats import (
     MetricDelta,
     RequestRecord,
     consistency_checks,
@@ -21,9 +21,9 @@ from entrypoint.bench.stats import (
     speculation,
     summarize,
 )
-from entrypoint.bench.workloads import WORKLOADS, Point, params_from_args
+from bench.workloads import WORKLOADS, Point, params_from_args
+from core.errors import BenchError
 from entrypoint.client import parse_metrics
-from entrypoint.errors import BenchError
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 10, 101])

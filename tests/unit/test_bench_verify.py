@@ -4,7 +4,7 @@ cache it left."""
 
 from __future__ import annotations
 
-from entrypoint.bench.verify import bench_first
+from bench.verify import bench_first
 
 
 def test_the_first_verify_after_prepare_hashes_nothing_and_a_fresh_one_everything(tmp_path):

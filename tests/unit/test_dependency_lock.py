@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from entrypoint.errors import DependencyLockError
+from core.errors import DependencyLockError
 from prepare.dependency_lock import (
     COMPILE_COMMAND,
     PYPI_SIMPLE,
@@ -117,7 +117,6 @@ def test_the_cpu_lock_has_cpu_torch_and_none_of_the_cuda_builds():
 
 def test_locks_carry_this_projects_own_dependencies():
     import tomllib
-
     from packaging.requirements import Requirement
 
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]

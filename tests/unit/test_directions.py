@@ -8,15 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from entrypoint.errors import AdapterError
-from prepare.directions import (
-    COEFS_KEY,
-    ORDER_KEY,
-    random_directions,
-    read_directions,
-    write_directions,
-)
-from prepare.manifest import sha256_file
+from core.errors import AdapterError
+from core.manifest import sha256_file
+from prepare.directions import COEFS_KEY, ORDER_KEY, random_directions, read_directions, write_directions
 from tests.unit.test_adapter import make_checkpoint
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.profiles import load_profile
 from entrypoint.doctor import GIB, diagnose, parse_gpus, parse_processes
-from entrypoint.profiles import load_profile
 from entrypoint.toolchain import link_toolkit
 from tests.conftest import clean_env, run_cli
 from tests.support.cuda_wheels import DRIVER_DIR, NVCC_13_0, cuda_wheel_tree

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from entrypoint.errors import PrepareError
+from core.errors import PrepareError
+from core.manifest import read_manifest
 from prepare.draft_vocab import VOCAB_JSON, VOCAB_TENSORS, build_draft_vocab, select_ids
 from prepare.generate import generate_model
-from prepare.manifest import read_manifest
 from prepare.requantize import requantize_checkpoint
 
 CORPUS = [

@@ -8,9 +8,9 @@ import os
 import re
 from pathlib import Path
 
+from core import progress
 from entrypoint import ready
 from entrypoint.engine_output import FIRST_PHASE, PHASES, SERVING, Heartbeat, Relay, StartPhase, heartbeat_line
-from prepare import progress
 
 SITE = Path(importlib.util.find_spec("vllm").origin).resolve().parents[1]  # found, not imported
 
@@ -197,9 +197,9 @@ def test_a_start_that_runs_out_of_time_says_where_it_was(tmp_path):
     import subprocess
     import sys
 
+    from core.profiles import load_profile
+    from core.settings import Settings
     from entrypoint.launch import status_path
-    from entrypoint.profiles import load_profile
-    from entrypoint.settings import Settings
     from tests.conftest import free_port
 
     engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])

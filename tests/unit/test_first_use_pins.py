@@ -8,16 +8,12 @@ huggingface_hub client against the local hub stand-in (tests/hub_server.py)."""
 from __future__ import annotations
 
 import hashlib
-import tomllib
 import types
-from pathlib import Path
 
 import pytest
+import tomllib
 
-from entrypoint.cli import main
-from entrypoint.errors import ArtifactError
-from entrypoint.verify import verify_profile
-from prepare.artifact_lock import (
+from core.artifact_lock import (
     LOCAL_LOCK_NAME,
     UNPINNED,
     ArtifactLock,
@@ -28,7 +24,10 @@ from prepare.artifact_lock import (
     load_lock,
     write_lock,
 )
-from prepare.manifest import content_files
+from core.errors import ArtifactError
+from core.manifest import content_files
+from entrypoint.cli import main
+from entrypoint.verify import verify_profile
 from tests.pinning_support import (  # noqa: F401 (hf_isolated, hub, no_racy_window are fixtures)
     hf_isolated,
     hub,

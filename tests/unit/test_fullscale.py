@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from entrypoint.bench import fullscale_steps as fs
-from entrypoint.bench import fullscale_figures as figures
-from entrypoint.bench import roofline as rf
-from entrypoint.errors import BenchError
-from entrypoint.profiles import Profile, load_profile
+from bench import fullscale_figures as figures
+from bench import fullscale_steps as fs
+from bench import roofline as rf
+from core.errors import BenchError
+from core.profiles import Profile, load_profile
 from prepare.synthetic import MODEL_CONFIGS
 
 # Lines as vLLM 0.28.0 formats them (gpu_model_runner, gpu_worker, kv_cache_utils, core, monitor).
@@ -306,7 +306,7 @@ def test_the_split_kv_reference_differs_from_long_only_by_the_patch_switch():
 
 
 def test_the_lookup_copy_is_long_in_reproduction_mode_at_the_context_its_pool_holds():
-    from entrypoint.profiles import Profile
+    from core.profiles import Profile
 
     profiles = fs.profile_set(150_000_000_000)
     spec = Profile.model_validate({"name": "long-lookup-full", **profiles["long-lookup-full"]}).speculative
@@ -321,7 +321,7 @@ def test_the_lookup_copy_is_long_in_reproduction_mode_at_the_context_its_pool_ho
 
 
 def test_served_copies_are_chosen_by_name_in_their_start_order():
-    from entrypoint.bench.fullscale import served_subset
+    from bench.fullscale import served_subset
 
     assert list(served_subset("long-full,single-full")) == ["single-full", "long-full"]
     assert served_subset(None) is None
@@ -332,8 +332,8 @@ def test_served_copies_are_chosen_by_name_in_their_start_order():
 def test_without_a_spark_lora_copy_only_the_3090_artifacts_are_generated_and_no_adapter_built(tmp_path):
     """`--served single-full,long-full` writes 19.8 GB instead of 46.5; a later call that serves
     `spark-lora` finds generate not done for it (the rest is written then) and wants the adapter."""
-    from entrypoint.bench.fullscale import served_subset
-    from entrypoint.bench.fullscale_run import read_state
+    from bench.fullscale import served_subset
+    from bench.fullscale_run import read_state
 
     rtx = served_subset("single-full,long-full")
     assert fs.generated_variants("full", rtx) == ["qwen3.8-27b-w4a16", "qwen3.8-27b-dflash2-w4a16"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from entrypoint.bench import fullscale_steps as fs
-from entrypoint.bench.fullscale_run import MEASURE_S, PREP, Action, RunState, Server, next_action
+from bench import fullscale_steps as fs
+from bench.fullscale_run import MEASURE_S, PREP, Action, RunState, Server, next_action
 
 H200 = 150_000_000_000  # 139.8 GiB
 CAP = fs.HEADLESS_3090_BYTES

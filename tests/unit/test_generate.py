@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from entrypoint.errors import PrepareError
+from core.errors import PrepareError
+from core.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from prepare import generate as gen
-from prepare.manifest import MANIFEST_NAME, read_manifest, sha256_file
-from prepare.synthetic import MODEL_CONFIGS, PRESETS, plan_shards, stored_bytes, target_config, variant_tensors
 from prepare.generate import DEFAULT_SEED
+from prepare.synthetic import MODEL_CONFIGS, PRESETS, plan_shards, stored_bytes, target_config, variant_tensors
 
 GB = 1e9
 
@@ -217,7 +217,7 @@ def test_verify_accepts_the_generated_directories_through_derived_profiles(small
 
     import tomli_w
 
-    from entrypoint.bench.fullscale_steps import derive_profile
+    from bench.fullscale_steps import derive_profile
     from prepare.adapter import build_adapter
     from prepare.requantize import requantize_checkpoint
     from tests.conftest import clean_env
@@ -232,7 +232,7 @@ def test_verify_accepts_the_generated_directories_through_derived_profiles(small
     for name in ("single", "long", "spark-lora"):
         data = derive_profile(name, cap_fraction=0.17 if name != "spark-lora" else None)
         (profiles / f"{name}-full.toml").write_bytes(tomli_w.dumps(data).encode())
-    from entrypoint.errors import PatchError
+    from core.errors import PatchError
     from entrypoint.patches import all_present, check_series, find_vllm_dir
 
     try:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from pydantic import SecretStr
 
+from core.profiles import load_profile
+from core.settings import Settings
 from entrypoint.launch import render_invocation
-from entrypoint.profiles import load_profile
-from entrypoint.settings import Settings
 from tests.gpu.tiny_profiles import TINY_KV_BYTES, TINY_MAX_MODEL_LEN, derive, write_profiles
 
 KEY = SecretStr("s3cret-" + "k" * 20)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from core.artifact_lock import UNPINNED, ArtifactLock, LockedArtifact, LockedFile, load_lock, write_lock
+from core.errors import ArtifactError, DownloadError
+from core.manifest import MANIFEST_NAME, read_manifest
 from entrypoint.cli import main
-from entrypoint.errors import ArtifactError, DownloadError
 from entrypoint.verify import VerifyFailed, verify_profile
-from prepare.artifact_lock import UNPINNED, ArtifactLock, LockedArtifact, LockedFile, load_lock, write_lock
 from prepare.download import LOCK_FILE, STAGING_DIR, download_artifact, targets_for_profile
-from prepare.manifest import MANIFEST_NAME, read_manifest
 from tests.pinning_support import (  # noqa: F401 (hf_isolated, hub, no_racy_window are fixtures)
     hf_isolated,
     hub,
@@ -253,7 +253,7 @@ def test_a_killed_download_process_resumes_with_a_range_request(tmp_path, hub):
     assert subprocess.run([sys.executable, "-m", "entrypoint.cli", "lock", "update", "base", "--lock", str(lock_path)],
                           cwd=tmp_path, env=env, capture_output=True).returncode == 0
     # No profile exists on this branch: make the default PROFILE=cpu known to the settings.
-    shim = ("import sys, entrypoint.profiles as p; p.profile_names = lambda d=None: ['cpu']; "
+    shim = ("import sys, core.profiles as p; p.profile_names = lambda d=None: ['cpu']; "
             "from entrypoint.cli import main; sys.exit(main(sys.argv[1:]))")
     cmd = [sys.executable, "-c", shim, "prepare", "download", "base", "--lock", str(lock_path)]
     hub.throttle = 8 << 20
@@ -372,7 +372,7 @@ def test_a_local_artifact_is_imported_verified_or_refused(env):
 
 def _profile_p(env, monkeypatch) -> None:
     """The artifact pinned, and profile `p` serving it from MODELS_DIR/served-base, as the CLI reads them."""
-    from entrypoint import profiles
+    from core import profiles
 
     _pinned(env)
     pdir = env.tmp / "profiles"
@@ -415,7 +415,7 @@ def test_profile_downloads_only_slots_that_are_artifacts_as_downloaded():
 def test_a_download_without_a_terminal_prints_progress_lines(tmp_path, hub, monkeypatch, capsys):
     """Through the real huggingface_hub client: the staging file's size is followed and a
     plain line comes every PLAIN_EVERY_S (shortened here) while stdout and stderr are pipes."""
-    from prepare import progress
+    from core import progress
 
     files = _repo_files(tmp_path, width=2048)  # 16 MiB shards: http_get writes 10 MiB at a time
     hub.add_commit(REPO, COMMIT, files)
@@ -452,8 +452,8 @@ def test_a_download_without_a_terminal_prints_progress_lines(tmp_path, hub, monk
 def test_the_first_verify_after_prepare_reads_no_byte(env, monkeypatch):
     """`qwen38 prepare download` leaves what it hashed in the stat cache under CACHE_DIR, with
     the real racy window: verify then trusts every file and hashes none."""
-    import prepare.hashing
-    from entrypoint.stat_cache import CACHE_FILE
+    import core.hashing
+    from core.stat_cache import CACHE_FILE
 
     _profile_p(env, monkeypatch)
     assert main(["prepare", "download", "--profile", "p", "--endpoint", env.hub.hub_url,
@@ -461,8 +461,8 @@ def test_the_first_verify_after_prepare_reads_no_byte(env, monkeypatch):
     assert (env.settings.cache_dir / CACHE_FILE).is_file()
 
     reads = []
-    real = prepare.hashing.sha256_file
-    monkeypatch.setattr(prepare.hashing, "sha256_file", lambda path, *a, **k: reads.append(path) or real(path, *a, **k))
+    real = core.hashing.sha256_file
+    monkeypatch.setattr(core.hashing, "sha256_file", lambda path, *a, **k: reads.append(path) or real(path, *a, **k))
     profile = make_profile({"target": {"dir": "served-base", "artifact": "base"}})
     report = verify_profile(profile, env.settings, lock_path=env.lock_path)
     assert reads == []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from entrypoint.errors import ImageError
+from core.errors import ImageError
 from entrypoint.images import IMAGES, build_args, cuda_arch_list, locked_engine_version, profiles_for, published_tag
 
 REPO = Path(__file__).resolve().parents[2]

@@ -42,4 +42,4 @@ def test_the_serve_flow_sits_above_the_steps_it_runs():
 def test_the_preparation_steps_sit_above_the_data_they_read():
     """The adapter builds on the directions file, the manifest on the identity it records."""
     assert "prepare.adapter" not in GRAPH["prepare.directions"]
-    assert "prepare.manifest" not in GRAPH["prepare.identity"]
+    assert "core.manifest" not in GRAPH["core.identity"]

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr, ValidationError
 
+from core.errors import SettingsError
+from core.profiles import load_profile, profile_names
+from core.settings import Settings
 from entrypoint.asgi import API_KEY_ENV, MIDDLEWARE_PATH
-from entrypoint.drain import DRAIN_ENV, ENGINE_GRACE_S
-from entrypoint.errors import SettingsError
 from entrypoint.compile_cache import compile_cache_key
+from entrypoint.drain import DRAIN_ENV, ENGINE_GRACE_S
 from entrypoint.launch import ENGINE_MODULE, render_invocation
-from entrypoint.profiles import load_profile, profile_names
 from entrypoint.resolve import resolve
-from entrypoint.settings import Settings
 from tests.conftest import clean_env, run_cli
 from tests.support.plans import PAIR_HEAD
 
@@ -227,7 +227,7 @@ def test_lookup_conflicts_fail_with_one_line(values, message):
 
 
 def test_verify_block_outside_8_to_16_is_refused_by_the_settings():
-    from entrypoint.settings import load_settings
+    from core.settings import load_settings
 
     for value in (7, 17):
         with pytest.raises(SettingsError, match=f"VERIFY_BLOCK={value}"):

@@ -17,7 +17,9 @@ import time
 
 import pytest
 
-from entrypoint.errors import LaunchError
+from core.errors import LaunchError
+from core.profiles import load_profile
+from core.settings import Settings
 from entrypoint.launch import run_dir, status_path
 from entrypoint.lifecycle import (
     RunRecord,
@@ -29,8 +31,6 @@ from entrypoint.lifecycle import (
     read_record,
     record_path,
 )
-from entrypoint.profiles import load_profile
-from entrypoint.settings import Settings
 from entrypoint.supervise import begin_start
 from tests.conftest import REPO, free_port
 
@@ -107,8 +107,8 @@ SUPERVISED = textwrap.dedent(
     from pathlib import Path
     import entrypoint.supervise as supervise
     from entrypoint.launch import Invocation
-    from entrypoint.profiles import load_profile
-    from entrypoint.settings import Settings
+    from core.profiles import load_profile
+    from core.settings import Settings
 
     supervise.STOP_MARGIN_S = 2.0
     settings = Settings(_env_file=None, cache_dir=Path(sys.argv[1]), port=int(sys.argv[2]))
@@ -168,9 +168,9 @@ GATED = textwrap.dedent(
     from pathlib import Path
     import entrypoint.supervise as supervise
     from entrypoint.launch import Invocation
-    from entrypoint.profiles import load_profile
+    from core.profiles import load_profile
     from entrypoint.ready import Watcher
-    from entrypoint.settings import Settings
+    from core.settings import Settings
 
     settings = Settings(_env_file=None, cache_dir=Path(sys.argv[1]), port=int(sys.argv[2]))
     settings = settings.model_copy(update={"ready_timeout": 2.0})  # under the knob's 10 s minimum, for the test
@@ -205,8 +205,8 @@ WORKER_HOST = textwrap.dedent(
     import entrypoint.supervise as supervise
     from entrypoint import lifecycle
     from entrypoint.launch import Invocation
-    from entrypoint.profiles import load_profile
-    from entrypoint.settings import Settings
+    from core.profiles import load_profile
+    from core.settings import Settings
 
     supervise.STOP_MARGIN_S = 30.0
     settings = Settings(_env_file=None, cache_dir=Path(sys.argv[1]), port=int(sys.argv[2]))
@@ -339,8 +339,8 @@ HELD = textwrap.dedent(
     from pathlib import Path
     import entrypoint.supervise as supervise
     from entrypoint.launch import Invocation
-    from entrypoint.profiles import load_profile
-    from entrypoint.settings import Settings
+    from core.profiles import load_profile
+    from core.settings import Settings
 
     settings = Settings(_env_file=None, cache_dir=Path(sys.argv[1]), port=int(sys.argv[2]))
     start = supervise.begin_start(load_profile("cpu"), settings)

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from entrypoint.errors import PrepareError
-from prepare.hashing import git_blob_sha1, hash_files, sha256_file
-from prepare.identity import ArtifactIdentity, DerivedIdentity, GeneratedIdentity
-from prepare.manifest import MANIFEST_NAME, ManifestError, input_ref, read_manifest, write_manifest
+from core.errors import PrepareError
+from core.hashing import git_blob_sha1, hash_files, sha256_file
+from core.identity import ArtifactIdentity, DerivedIdentity, GeneratedIdentity
+from core.manifest import MANIFEST_NAME, ManifestError, input_ref, read_manifest, write_manifest
 from tests.pinning_support import write_model_files
 
 TINY = GeneratedIdentity(generator="tiny", generator_version="1", params={"seed": 0})
@@ -143,7 +143,7 @@ def test_a_hard_link_of_a_verified_input_keeps_its_known_hash_without_being_read
     import os
     import shutil
 
-    from prepare.manifest import LinkedFile
+    from core.manifest import LinkedFile
 
     src, out = tmp_path / "src", tmp_path / "out"
     files = write_model_files(src, shards=2)
@@ -169,7 +169,7 @@ def test_a_hard_link_of_a_verified_input_keeps_its_known_hash_without_being_read
 def test_a_known_hash_whose_size_no_longer_matches_is_not_trusted(tmp_path):
     import os
 
-    from prepare.manifest import LinkedFile
+    from core.manifest import LinkedFile
 
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir()

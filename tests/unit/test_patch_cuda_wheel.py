@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from core.manifest import sha256_file
 from entrypoint import patches as ps
-from prepare.manifest import sha256_file
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import PatchError
 from entrypoint import patches as ps
-from entrypoint.errors import PatchError
 
 REPO = Path(__file__).resolve().parents[2]
 HEADER_FIELDS = ("Purpose:", "Upstream:", "Drop when:", "Proof:")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from entrypoint.errors import PlanError, ProfileError, SettingsError
+from core.errors import PlanError, ProfileError, SettingsError
+from core.profiles import load_profile
 from entrypoint.model_configs import MODEL_CONFIGS_DIR, ModelConfig, config_source, read_model_configs, shape_only_copy
 from entrypoint.patches import SERIES_DIR
 from entrypoint.plan import PLAN_IGNORED, Tree, build_request, check_plannable, plan_cache_key
-from entrypoint.profiles import load_profile
 from entrypoint.resolve import field_paths, resolve
 from tests.conftest import clean_env, run_cli
 from tests.support.plans import planner_pythonpath, seed_plans, user_settings  # noqa: F401
@@ -40,7 +40,7 @@ def test_served_config_is_preferred_over_the_config_only_copy(tmp_path):
 
 
 def test_generated_model_without_its_directory_is_a_plan_error(tmp_path):
-    from entrypoint.profiles import ModelSlot
+    from core.profiles import ModelSlot
 
     with pytest.raises(PlanError, match="prepare the model first"):
         config_source(ModelSlot(dir="tiny-hybrid", generated="tiny"), tmp_path)

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from core.artifact_lock import UNPINNED, LockedArtifact, LockedFile, load_lock, write_lock
+from core.errors import ArtifactError, PrepareError
+from core.identity import DerivedIdentity
+from core.manifest import MANIFEST_NAME, read_manifest, write_manifest
+from core.profiles import load_profile
 from entrypoint.cli import main
-from entrypoint.errors import ArtifactError, PrepareError
 from entrypoint.patches import read_series_names
-from entrypoint.profiles import load_profile
 from entrypoint.verify import VerifyFailed, verify_profile
-from prepare.artifact_lock import UNPINNED, LockedArtifact, LockedFile, load_lock, write_lock
-from prepare.identity import DerivedIdentity
-from prepare.manifest import MANIFEST_NAME, read_manifest, write_manifest
+from prepare.generate import generate_model
 from prepare.pipeline import HubAccess, plan_profile, prepare_profile
 from prepare.requantize import TRANSFORM_VERSION, requantize_checkpoint
-from prepare.generate import generate_model
 from tests.pinning_support import (  # noqa: F401 (hf_isolated, hub, no_racy_window are fixtures)
     hf_isolated,
     hub,
@@ -102,9 +102,9 @@ def _prepare(stack, **kw):
 def stock_vllm(tmp_path, monkeypatch):
     """Verify sees a stock vLLM 0.28.0 (the installed one walked back to pristine), whether or
     not `make setup` patched the installed tree."""
+    from core.errors import PatchError
     from entrypoint import patches as ps
     from entrypoint import verify
-    from entrypoint.errors import PatchError
 
     try:
         installed = ps.find_vllm_dir()

@@ -1,4 +1,4 @@
-"""What prepare leaves in verify's stat cache (`prepare.proofs` + `entrypoint.stat_cache.leave_proofs`):
+"""What prepare leaves in verify's stat cache (`core.proofs` + `core.stat_cache.leave_proofs`):
 exactly the files whose bytes it proved, under verify's own rules, so the first verify reads
 none of them and still catches any change."""
 
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from entrypoint.stat_cache import RACY_WINDOW_NS, FileStamp, StatCache, is_trusted, leave_proofs
-from prepare import proofs
-from prepare.atomic import atomic_directory
+from core import proofs
+from core.atomic import atomic_directory
+from core.hashing import sha256_file
+from core.identity import GeneratedIdentity
+from core.manifest import LinkedFile, read_manifest, write_manifest
+from core.stat_cache import RACY_WINDOW_NS, FileStamp, StatCache, is_trusted, leave_proofs
 from prepare.derived import place_file
-from prepare.hashing import sha256_file
-from prepare.identity import GeneratedIdentity
-from prepare.manifest import LinkedFile, read_manifest, write_manifest
 from tests.pinning_support import age
 
 IDENTITY = GeneratedIdentity(generator="test", generator_version="1")

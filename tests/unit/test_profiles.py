@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from entrypoint.errors import ProfileError
-from entrypoint.profiles import PROFILES_DIR, load_profile, profile_names
+from core.errors import ProfileError
+from core.profiles import PROFILES_DIR, load_profile, profile_names
 
 EXPECTED = {"cpu", "single", "long", "dual", "spark-lora", "spark-pair"}
 
@@ -57,7 +57,7 @@ def test_the_two_gpu_profiles_keep_their_one_gpu_siblings_engine_and_split_it():
 
 
 def test_profiles_table_names_the_gpus_and_hosts():
-    from entrypoint.profiles import render_profiles_table
+    from core.profiles import render_profiles_table
 
     table = render_profiles_table()
     assert "| `dual` | 2x rtx3090 | 131,072 | 8 |" in table

@@ -1,4 +1,4 @@
-"""`prepare.progress`: what a person following `docker compose logs` sees of a long step (a
+"""`core.progress`: what a person following `docker compose logs` sees of a long step (a
 line every PLAIN_EVERY_S, with a fake clock: no test sleeps), what a terminal gets, and what
 LOG_LEVEL lets through."""
 
@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from prepare import progress
-from prepare.progress import Progress, format_duration, say, watching
+from core import progress
+from core.progress import Progress, format_duration, say, watching
 
 
 class Clock:

@@ -6,10 +6,10 @@ import json
 import subprocess
 import sys
 
+from core.profiles import load_profile
+from core.settings import Settings
 from entrypoint.launch import status_path
-from entrypoint.profiles import load_profile
 from entrypoint.ready import Watcher, base_url_for
-from entrypoint.settings import Settings
 from tests.conftest import free_port
 
 

@@ -19,11 +19,11 @@ from compressed_tensors.quantization import QuantizationConfig, QuantizationSche
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from entrypoint.errors import PrepareError
-from prepare.identity import ArtifactIdentity, DerivedIdentity, InputRef
-from prepare.manifest import MANIFEST_NAME, read_manifest, sha256_file, write_manifest
-from prepare.requantize import TRANSFORM_VERSION, requantize_checkpoint
+from core.errors import PrepareError
+from core.identity import ArtifactIdentity, DerivedIdentity, InputRef
+from core.manifest import MANIFEST_NAME, read_manifest, sha256_file, write_manifest
 from prepare.generate import generate_model
+from prepare.requantize import TRANSFORM_VERSION, requantize_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -275,19 +275,19 @@ def manifested_copy(src: Path, dst: Path):
 
 
 def test_linked_files_keep_the_input_manifest_hash_and_only_written_files_are_hashed(targets, tmp_path, monkeypatch):
-    import prepare.manifest
+    import core.manifest
 
     src = tmp_path / "download"
     source = manifested_copy(targets["w4a16"], src)
     hashed: list[str] = []
-    real_hash_files = prepare.manifest.hash_files
+    real_hash_files = core.manifest.hash_files
 
     def recording_hash_files(paths, **kwargs):
         paths = list(paths)
         hashed.extend(p.name for p in paths)
         return real_hash_files(paths, **kwargs)
 
-    monkeypatch.setattr(prepare.manifest, "hash_files", recording_hash_files)
+    monkeypatch.setattr(core.manifest, "hash_files", recording_hash_files)
     result = requantize_checkpoint(src, tmp_path / "out")
     assert set(result.placed.values()) == {"hardlink"}, "this test needs a filesystem with hard links"
     assert sorted(hashed) == sorted(result.written)  # the linked shard and tokenizer files were not read
@@ -327,9 +327,9 @@ def test_an_altered_linked_input_file_keeps_its_pinned_hash_so_verification_fail
 
 
 def test_an_input_without_a_manifest_is_identified_by_its_content_or_refused(targets, tmp_path):
-    from prepare.hashing import hash_files
-    from prepare.identity import GeneratedIdentity
-    from prepare.manifest import ManifestFile, build_manifest, content_files
+    from core.hashing import hash_files
+    from core.identity import GeneratedIdentity
+    from core.manifest import ManifestFile, build_manifest, content_files
 
     src = targets["bf16"]
     requantize_checkpoint(src, tmp_path / "out", ["lm_head"])

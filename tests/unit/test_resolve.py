@@ -10,12 +10,12 @@ import itertools
 import pytest
 from pydantic import SecretStr
 
-from entrypoint.errors import SettingsError
+from core.errors import SettingsError
+from core.profiles import load_profile, profile_names
 from entrypoint.compile_cache import COMPILE_IGNORED, compile_cache_key
 from entrypoint.launch import render_invocation
 from entrypoint.model_configs import read_model_configs
 from entrypoint.plan import PLAN_IGNORED, build_request, plan_profile
-from entrypoint.profiles import load_profile, profile_names
 from entrypoint.resolve import field_paths, max_positions, resolve
 from tests.support.plans import user_settings
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from entrypoint.bench import roofline as rf
+from bench import roofline as rf
 from prepare.synthetic import PRESETS, drafter_tensors, target_tensors
 
 
@@ -51,8 +51,8 @@ def test_each_serving_takes_its_profiles_kv_dtype_state_dtype_and_depth():
 
 
 def test_a_profile_whose_target_is_not_a_known_artifact_is_one_clear_error():
-    from entrypoint.errors import BenchError
-    from entrypoint.profiles import load_profile
+    from core.errors import BenchError
+    from core.profiles import load_profile
 
     with pytest.raises(BenchError, match="target artifact None is not one the roofline knows"):
         rf.serving(load_profile("cpu"))

@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from entrypoint.errors import PrepareError
-from prepare.safetensors_stream import SafetensorsFile, ShardWriter, TensorSpec, encode_header
+from core.errors import PrepareError
+from core.safetensors_stream import SafetensorsFile, ShardWriter, TensorSpec, encode_header
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

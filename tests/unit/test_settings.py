@@ -6,15 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from entrypoint.errors import SettingsError
-from entrypoint.settings import (
-    Settings,
-    load_settings,
-    masked,
-    read_api_key,
-    render_env_example,
-    render_settings_table,
-)
+from core.errors import SettingsError
+from core.settings import Settings, load_settings, masked, read_api_key, render_env_example, render_settings_table
 from tests.conftest import REPO, clean_env, run_cli
 
 KEY = "k" * 24

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from entrypoint.stat_cache import RACY_WINDOW_NS, CacheEntry, FileStamp, StatCache, is_trusted
+from core.stat_cache import RACY_WINDOW_NS, CacheEntry, FileStamp, StatCache, is_trusted
 
 SHA = "a" * 64
 

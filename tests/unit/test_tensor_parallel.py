@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
-from entrypoint.errors import SettingsError
+from core.errors import SettingsError
+from core.profiles import load_profile
+from core.settings import Settings
 from entrypoint.compile_cache import compile_cache_key
 from entrypoint.launch import ENGINE_MODULE, render_invocation
-from entrypoint.profiles import load_profile
 from entrypoint.resolve import check_allocator, resolve
-from entrypoint.settings import Settings
 from entrypoint.topology import link_between, parse_topology
 from tests.conftest import clean_env, run_cli
 from tests.support import nvidia_smi_samples as smi

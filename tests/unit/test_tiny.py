@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from entrypoint.errors import VerifyError
+from core.errors import VerifyError
+from core.manifest import MANIFEST_NAME, input_ref, read_manifest, sha256_file
 from entrypoint.canary import CANARY_PROMPT, CANARY_TOKENS
 from prepare.adapter import adapter_derivation, build_adapter, verify_adapter_binding
 from prepare.directions import read_directions
-from prepare.manifest import MANIFEST_NAME, input_ref, read_manifest, sha256_file
 from prepare.generate import TINY_ADAPTER_STRENGTH as ADAPTER_STRENGTH
 from prepare.generate import build_tiny_models
 

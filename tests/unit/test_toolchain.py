@@ -12,15 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from entrypoint.errors import ToolchainError
-from entrypoint.toolchain import (
-    Link,
-    check_toolchain,
-    jit_cuda_home,
-    link_toolkit,
-    nvcc_release,
-    toolkit_links,
-)
+from core.errors import ToolchainError
+from entrypoint.toolchain import Link, check_toolchain, jit_cuda_home, link_toolkit, nvcc_release, toolkit_links
 from tests.conftest import run_cli
 from tests.support.cuda_wheels import DRIVER_DIR, NVCC_13_0, cuda_wheel_tree
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import entrypoint.verify
-
 import hashlib
 import json
 import os
@@ -14,20 +12,14 @@ from pathlib import Path
 
 import pytest
 
+import entrypoint.verify
+from core.artifact_lock import ArtifactLock, LockedArtifact, LockedFile, write_lock
+from core.errors import PatchError
+from core.identity import DerivedIdentity, GeneratedIdentity
+from core.manifest import MANIFEST_NAME, input_ref, read_manifest, write_manifest
 from entrypoint.cli import main
-from entrypoint.errors import PatchError
 from entrypoint.patches import read_series_names
-from entrypoint.verify import (
-    STATUS_PATH,
-    VerifyFailed,
-    check_vllm_version,
-    installed_vllm,
-    read_status,
-    verify_profile,
-)
-from prepare.artifact_lock import ArtifactLock, LockedArtifact, LockedFile, write_lock
-from prepare.identity import DerivedIdentity, GeneratedIdentity
-from prepare.manifest import MANIFEST_NAME, input_ref, read_manifest, write_manifest
+from entrypoint.verify import STATUS_PATH, VerifyFailed, check_vllm_version, installed_vllm, read_status, verify_profile
 from prepare.generate import GENERATOR_VERSION as TINY_VERSION
 from tests.pinning_support import (  # noqa: F401 (no_racy_window is a fixture)
     age,
@@ -443,7 +435,7 @@ def test_a_profile_requiring_patches_refuses_an_unknown_patch_set(tiny, monkeypa
 @pytest.fixture
 def cli_env(tiny, tmp_path, monkeypatch):
     """`qwen38 verify --profile cli` with profiles/ and the settings pointing into tmp_path."""
-    from entrypoint import profiles
+    from core import profiles
 
     pdir = tmp_path / "profiles"
     pdir.mkdir()

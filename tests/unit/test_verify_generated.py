@@ -9,9 +9,9 @@ import shutil
 import pytest
 import tomli_w
 
-from entrypoint.errors import VerifyError
-from entrypoint.profiles import load_profile
-from entrypoint.settings import Settings
+from core.errors import VerifyError
+from core.profiles import load_profile
+from core.settings import Settings
 from entrypoint.verify import verify_profile
 from prepare.requantize import requantize_checkpoint
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from core.settings import Settings
 from entrypoint.client import parse_metrics
-from entrypoint.settings import Settings
 from entrypoint.watchdog import ACCEPTANCE_WINDOW_DRAFTS, AcceptanceWindow, Sample, StallCheck, WatchdogConfig
 
 
@@ -126,8 +126,8 @@ def test_the_acceptance_window_is_long_enough_to_mean_something():
 
 
 def test_a_watchdog_knob_out_of_range_is_one_settings_error():
-    from entrypoint.errors import SettingsError
-    from entrypoint.settings import load_settings
+    from core.errors import SettingsError
+    from core.settings import load_settings
 
     with pytest.raises(SettingsError, match="WATCHDOG_ACTION="):
         load_settings(env_file=None, watchdog_action="reboot")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from entrypoint.errors import ReadinessError
-from entrypoint.profiles import load_profile
+from core.errors import ReadinessError
+from core.profiles import load_profile
 from entrypoint.resolve import resolve
 from entrypoint.worker_gate import WorkerGate
 from tests.support.plans import PAIR_HEAD, PAIR_WORKER, user_settings

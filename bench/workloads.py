@@ -1,0 +1,315 @@
+"""The serving workloads: c1, c8, agent, depth, copy.
+
+Each workload is a parameters dataclass (every size a field whose default is the value the
+source articles published; the CLI flags and their help are generated from the fields) and
+a function that turns parameters + the server's tokenizer into points: a point is one
+concurrency or one context depth, holding jobs (sequences of requests sent one after the
+other), run ``concurrency`` jobs at a time.
+
+Every request: streamed chat completion, temperature 0, thinking off, EOS ignored (every
+server generates exactly the same number of tokens), and a per-run ``cache_salt`` so that a
+second run on the same server starts from a cold prefix cache, like the first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench import prompts
+from bench.measurement import RequestSpec
+from core.errors import BenchError
+
+
+def knob(default: Any, help: str, minimum: int = 1) -> Any:
+    """A workload parameter: its default is the published value; ``help`` becomes --help."""
+    return field(default=default, metadata={"help": help, "min": minimum})
+
+
+@dataclass(frozen=True)
+class C1Params:
+    input_tokens: int = knob(512, "random input tokens per request (the user message; the chat template adds a few)")
+    output_tokens: int = knob(2048, "output tokens per request, EOS ignored")
+    requests: int = knob(5, "requests, sent one after the other (the Spark article's baseline: five rounds)")
+
+
+@dataclass(frozen=True)
+class C8Params:
+    input_tokens: int = knob(1024, "random input tokens per request")
+    output_tokens: int = knob(256, "output tokens per request, EOS ignored")
+    requests: int = knob(32, "requests per concurrency point")
+    concurrency: tuple[int, ...] = knob((8,), "requests in flight; a comma list sweeps (e.g. 1,2,4,8)")
+
+
+@dataclass(frozen=True)
+class AgentParams:
+    system_tokens: int = knob(5800, "tokens of the system prompt every thread shares")
+    threads: tuple[int, ...] = knob((8,), "concurrent agent threads (the articles: 4-12); a comma list sweeps")
+    turns: int = knob(4, "requests per thread, each carrying the thread's history")
+    turn_tokens: int = knob(600, "mean tokens a turn adds (code, prose or a tool result; varies +-50 %%)")
+    output_tokens: int = knob(256, "output tokens per request, EOS ignored")
+    tool_choice: str = knob("auto", "tool_choice of every request: auto, or none for a server without a tool parser")
+
+
+@dataclass(frozen=True)
+class DepthParams:
+    depths: tuple[int, ...] = knob(
+        (0, 10000, 43000, 100000), "context tokens before the question, one point each", minimum=0
+    )
+    output_tokens: int = knob(256, "output tokens per request, EOS ignored")
+    repeats: int = knob(1, "requests per depth")
+
+
+@dataclass(frozen=True)
+class CopyParams:
+    document_tokens: int = knob(25000, "tokens of the document to reproduce (= output tokens)")
+    repeats: int = knob(1, "requests (one after the other)")
+
+
+@dataclass
+class Point:
+    """One measured window: a concurrency or a depth."""
+
+    label: str
+    x: float
+    concurrency: int
+    jobs: list[list[RequestSpec]]
+    reference_text: str | None = None  # copy: what the answer should reproduce
+
+
+@dataclass
+class Context:
+    """What building requests needs: the model, the seed, the server's tokenizer and limits."""
+
+    model: str
+    seed: int
+    tokenizer: Any  # prompts.Tokenizer + prompts.ChatCounter (the server's, or a local one in tests)
+    cache_salt: str | None
+    max_model_len: int | None
+
+    def salt(self, *parts: object) -> str | None:
+        return None if self.cache_salt is None else "-".join([self.cache_salt, *map(str, parts)])
+
+    def request(
+        self,
+        messages: list[dict[str, Any]],
+        max_tokens: int,
+        label: str,
+        *,
+        salt: str | None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | None = None,
+    ) -> RequestSpec:
+        count = self.tokenizer.count_chat(messages, tools)
+        if self.max_model_len is not None and count + max_tokens > self.max_model_len:
+            raise BenchError(
+                f"{label}: {count} prompt + {max_tokens} output tokens exceed the server's max_model_len "
+                f"{self.max_model_len}; choose smaller sizes (see `qwen38 bench WORKLOAD --help`)"
+            )
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "chat_template_kwargs": dict(prompts.NO_THINKING),
+        }
+        if tools:
+            body["tools"] = tools
+            body["tool_choice"] = tool_choice or "auto"
+        if salt is not None:
+            body["cache_salt"] = salt
+        return RequestSpec(body=body, expected_prompt_tokens=count, max_tokens=max_tokens, label=label)
+
+    def warm_up_request(self) -> RequestSpec:
+        # Several tokens in, several out: one-token prompts trip a vLLM CPU speculative bug.
+        return self.request(
+            [{"role": "user", "content": prompts.SHORT_QUESTION}], 16, "warm-up", salt=self.salt("warm-up")
+        )
+
+
+def _random_prompt(ctx: Context, workload: str, index: int, tokens: int) -> str:
+    return prompts.fit_tokens(
+        prompts.random_words(prompts.SeededStream(workload, ctx.seed, index)), tokens, ctx.tokenizer
+    ).text
+
+
+def build_c1(p: C1Params, ctx: Context) -> list[Point]:
+    job = [
+        ctx.request(
+            [{"role": "user", "content": _random_prompt(ctx, "c1", i, p.input_tokens)}],
+            p.output_tokens,
+            f"c1 request {i}",
+            salt=ctx.salt("c1", i),
+        )
+        for i in range(p.requests)
+    ]
+    return [Point("concurrency 1", 1, 1, [job])]
+
+
+def build_c8(p: C8Params, ctx: Context) -> list[Point]:
+    contents = [_random_prompt(ctx, "c8", i, p.input_tokens) for i in range(p.requests)]
+    points = []
+    for n in p.concurrency:
+        jobs = [
+            [
+                ctx.request(
+                    [{"role": "user", "content": text}],
+                    p.output_tokens,
+                    f"c8 c={n} request {i}",
+                    salt=ctx.salt("c8", n, i),
+                )
+            ]
+            for i, text in enumerate(contents)
+        ]
+        points.append(Point(f"concurrency {n}", n, n, jobs))
+    return points
+
+
+def build_agent(p: AgentParams, ctx: Context) -> list[Point]:
+    if p.tool_choice not in ("auto", "none"):
+        raise BenchError(f"--tool-choice {p.tool_choice!r}: use auto or none")
+    system = prompts.fit_tokens(
+        prompts.agent_system(prompts.SeededStream("agent-system", ctx.seed)), p.system_tokens, ctx.tokenizer
+    ).text
+    threads = [
+        prompts.agent_thread(ctx.seed, i, p.turns, p.turn_tokens, p.output_tokens, ctx.tokenizer)
+        for i in range(max(p.threads))
+    ]
+    points = []
+    for n in p.threads:
+        # One salt per point: the threads of a point share their prefix, points do not.
+        salt = ctx.salt("agent", n)
+        jobs = [
+            [
+                ctx.request(
+                    thread.request_messages(system, t),
+                    p.output_tokens,
+                    f"agent n={n} thread {thread.index} turn {t} ({thread.turns[t].kind})",
+                    salt=salt,
+                    tools=prompts.AGENT_TOOLS,
+                    tool_choice=p.tool_choice,
+                )
+                for t in range(p.turns)
+            ]
+            for thread in threads[:n]
+        ]
+        points.append(Point(f"{n} threads", n, n, jobs))
+    return points
+
+
+def build_depth(p: DepthParams, ctx: Context) -> list[Point]:
+    points = []
+    for depth in p.depths:
+        if depth == 0:
+            content = prompts.SHORT_QUESTION
+        else:
+            doc = prompts.fit_tokens(
+                prompts.document(prompts.SeededStream("depth", ctx.seed, depth)), depth, ctx.tokenizer
+            ).text
+            content = doc + prompts.DEPTH_QUESTION
+        job = [
+            ctx.request(
+                [{"role": "user", "content": content}],
+                p.output_tokens,
+                f"depth {depth} request {i}",
+                salt=ctx.salt("depth", depth, i),
+            )
+            for i in range(p.repeats)
+        ]
+        points.append(Point(f"depth {depth}", depth, 1, [job]))
+    return points
+
+
+def build_copy(p: CopyParams, ctx: Context) -> list[Point]:
+    doc = prompts.fit_tokens(
+        prompts.document(prompts.SeededStream("copy", ctx.seed)), p.document_tokens, ctx.tokenizer
+    ).text
+    content = prompts.COPY_INSTRUCTION + doc + prompts.COPY_END
+    job = [
+        ctx.request(
+            [{"role": "user", "content": content}], p.document_tokens, f"copy request {i}", salt=ctx.salt("copy", i)
+        )
+        for i in range(p.repeats)
+    ]
+    return [Point(f"document {p.document_tokens}", p.document_tokens, 1, [job], reference_text=doc)]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    help: str
+    description: str
+    params: type
+    build: Callable[[Any, Context], list[Point]]
+    x_axis: str  # what a plot puts on x: "concurrency" or "context tokens"
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload(
+            "c1",
+            "single-stream decode: 512 random tokens in, 2,048 out, concurrency 1 (the Spark C1)",
+            "The DGX Spark article's C1: random input, 2,048 output tokens with EOS ignored, one request "
+            "at a time, temperature 0, thinking off.",
+            C1Params,
+            build_c1,
+            "concurrency",
+        ),
+        Workload(
+            "c8",
+            "aggregate throughput: 32 requests of 1,024 in / 256 out at concurrency 8 (the Spark C8)",
+            "The DGX Spark article's C8: 32 random requests, 1,024 input and 256 output tokens each, eight in flight.",
+            C8Params,
+            build_c8,
+            "concurrency",
+        ),
+        Workload(
+            "agent",
+            "agent traffic: a shared ~5.8k-token system prompt, 4-12 threads, code/prose/tool turns",
+            "Concurrent agent threads sharing one system prompt and tool list; each thread sends its turns "
+            "in order, carrying its history (code listings, prose, tool calls and results), so prefix "
+            "caching shows in TTFT and in the hit rate.",
+            AgentParams,
+            build_agent,
+            "concurrency",
+        ),
+        Workload(
+            "depth",
+            "single-request decode at ~0, 10k, 43k and 100k tokens of context",
+            "One request at a time after a long document: decode speed as the context grows (the RTX 3090 "
+            "article: ~107 / 78 / 38 / 31 tok/s).",
+            DepthParams,
+            build_depth,
+            "context tokens",
+        ),
+        Workload(
+            "copy",
+            "reproduce a 25k-token document from the prompt",
+            "The model is asked to reproduce a long document from its prompt (where lookup drafting "
+            "shines: 381 tok/s in the RTX 3090 article).",
+            CopyParams,
+            build_copy,
+            "context tokens",
+        ),
+    )
+}
+
+
+def params_from_args(workload: Workload, values: dict[str, Any]) -> Any:
+    """The workload's parameters from parsed CLI values (defaults for those not given)."""
+    given = {f.name: values[f.name] for f in dataclasses.fields(workload.params) if values.get(f.name) is not None}
+    params = workload.params(**given)
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        minimum = f.metadata.get("min", 1)
+        items = value if isinstance(value, tuple) else (value,)
+        if not items:
+            raise BenchError(f"--{f.name.replace('_', '-')}: give at least one value")
+        for item in items:
+            if isinstance(item, int) and item < minimum:
+                raise BenchError(f"--{f.name.replace('_', '-')} {item}: must be >= {minimum}")
+    return params

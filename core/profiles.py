@@ -1,0 +1,334 @@
+"""Profiles: one declarative TOML file per serving configuration in ``profiles/``.
+
+A profile says which model directories it serves (each bound to the pinned artifact and
+the transformation it derives from), under which model ids, and the engine settings that
+shape it. It is data only; `entrypoint.resolve.resolve` turns a profile plus the user's
+settings into the engine every command runs. Every field is typed and documented here,
+once; unknown keys are rejected.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import tomllib
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from core.errors import ProfileError
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+ARTIFACT_LOCK_NAME = "artifacts.lock.toml"
+
+KVCacheDType = Literal[
+    "auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "int4_per_token_head"
+]
+MambaDType = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+# The longest drain a profile or SHUTDOWN_TIMEOUT may ask for: with the supervisor's teardown
+# margin (entrypoint.supervise) it stays well inside compose's 60 s stop_grace_period.
+MAX_SHUTDOWN_TIMEOUT_S = 30
+SHUTDOWN_MARGIN_S = 15  # after the drain, for the engine's teardown before its processes are killed
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSlot(_Strict):
+    """One model directory the server reads."""
+
+    dir: str = Field(description="Directory under MODELS_DIR that holds the model files.")
+    artifact: str | None = Field(
+        default=None,
+        description="Key of profiles/artifacts.lock.toml this directory is (or derives from).",
+    )
+    transform: str | None = Field(
+        default=None,
+        description="Preparation step that produced `dir` from its origin (none: as downloaded or generated).",
+    )
+    generated: Literal["tiny"] | None = Field(
+        default=None, description="Generated locally by `qwen38 tiny` instead of downloaded."
+    )
+
+    @model_validator(mode="after")
+    def _has_an_origin(self) -> ModelSlot:
+        if self.dir.startswith("/") or ".." in Path(self.dir).parts:
+            raise ValueError(f"dir must be a relative path inside MODELS_DIR, got {self.dir!r}")
+        if (self.artifact is None) == (self.generated is None):
+            raise ValueError("a model slot names exactly one origin: `artifact` or `generated`")
+        return self
+
+
+class Served(_Strict):
+    """The model ids clients see in /v1/models."""
+
+    base: str = Field(description="Id of the clean base model.")
+    adapter: str | None = Field(default=None, description="Id of the LoRA adapter, if any.")
+
+
+class Models(_Strict):
+    target: ModelSlot
+    drafter: ModelSlot | None = None
+    adapter: ModelSlot | None = None
+
+
+# vLLM verifies at most this many tokens per step here (the DFlash drafters' block).
+MAX_VERIFY_BLOCK = 16
+
+
+class Speculative(_Strict):
+    """Speculative decoding with the `drafter` model slot (vLLM `--speculative-config`)."""
+
+    enabled: bool = Field(default=True, description="Default on/off; the SPECULATION setting overrides it.")
+    method: Literal["dflash", "draft_model", "ngram", "mtp"] = "dflash"
+    num_speculative_tokens: int = Field(ge=1, le=16)
+    draft_sample_method: Literal["greedy", "probabilistic"] | None = None
+    attention_backend: Literal["TRITON_ATTN", "FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION"] | None = Field(
+        default=None,
+        description="Attention backend of the drafter's layers (vLLM's speculative_config.attention_backend). "
+        "None: vLLM selects one for the drafter on its own; it never inherits the target's.",
+    )
+    lookup: bool = Field(
+        default=False,
+        description="Lookup drafting (reproduction mode) default on/off; the LOOKUP setting overrides it.",
+    )
+    verify_block: int = Field(
+        default=MAX_VERIFY_BLOCK,
+        ge=2,
+        le=MAX_VERIFY_BLOCK,
+        description="Tokens verified per step with lookup on: 1 + drafter depth + lookup tokens; "
+        "the VERIFY_BLOCK setting overrides it.",
+    )
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.method in ("dflash", "draft_model")
+
+    def lookup_tokens(self, lookup: bool | None, verify_block: int | None) -> int:
+        """Verify positions past the drafter's that lookup drafting fills (0: off).
+
+        ``lookup``/``verify_block`` are the user's overrides (None: this profile decides).
+        Raises ValueError (one line) for a combination vLLM could not honour.
+        """
+        on = self.lookup if lookup is None else lookup
+        if not on:
+            if verify_block is not None:
+                raise ValueError(
+                    f"VERIFY_BLOCK={verify_block}: without lookup drafting the verify block is "
+                    f"1 + the drafter depth ({self.num_speculative_tokens + 1}); set LOOKUP=true or unset VERIFY_BLOCK"
+                )
+            return 0
+        if self.method != "dflash":
+            raise ValueError(f"LOOKUP=true: lookup drafting extends a dflash drafter, not method {self.method!r}")
+        block = self.verify_block if verify_block is None else verify_block
+        least = self.num_speculative_tokens + 2
+        if not least <= block <= MAX_VERIFY_BLOCK:
+            raise ValueError(
+                f"VERIFY_BLOCK={block}: with the drafter's {self.num_speculative_tokens} tokens it must be "
+                f"{least}..{MAX_VERIFY_BLOCK} (1 + drafter depth + at least one lookup token)"
+            )
+        return block - 1 - self.num_speculative_tokens
+
+
+class Lora(_Strict):
+    """Native per-request LoRA for the `adapter` slot (base requests bypass it)."""
+
+    max_lora_rank: int = Field(default=1, ge=1, le=64)
+    max_loras: int = Field(default=1, ge=1, le=8)
+
+
+class Parallel(_Strict):
+    """vLLM's own tensor parallelism: every layer split over several GPUs, in one host or several.
+
+    vLLM's multiprocessing executor runs one worker per GPU; across hosts (``nodes`` > 1) the
+    head runs the API and its share of the workers, each other host runs its share headless
+    (vLLM's ``--nnodes``/``--node-rank``/``--headless``). The KV pool (``kv_cache_memory_bytes``)
+    is per GPU, and so are the KV heads and recurrent state vLLM keeps in it.
+    """
+
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=8, description="GPUs each layer is split over (vLLM --tensor-parallel-size)."
+    )
+    nodes: int = Field(
+        default=1, ge=1, le=8, description="Hosts the GPUs are in (vLLM --nnodes); each holds the same number."
+    )
+
+    @model_validator(mode="after")
+    def _even_split(self) -> Parallel:
+        if self.tensor_parallel_size % self.nodes:
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} cannot be split evenly over {self.nodes} nodes"
+            )
+        return self
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nodes
+
+
+class Engine(_Strict):
+    """vLLM engine arguments (long-form names with `_`; rendered with `-`)."""
+
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    max_model_len: int = Field(ge=256, description="Longest request (prompt + output) served.")
+    max_num_seqs: int = Field(ge=1, le=1024, description="Concurrent request slots.")
+    max_num_batched_tokens: int | None = Field(default=None, ge=256)
+    kv_cache_dtype: KVCacheDType = "auto"
+    kv_cache_memory_bytes: int | None = Field(
+        default=None, ge=1 << 20, description="KV pool pinned in bytes (replaces utilization)."
+    )
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    enable_prefix_caching: bool = False
+    mamba_ssm_cache_dtype: MambaDType = "auto"
+    block_size: int | None = Field(default=None, ge=1)
+    attention_backend: str | None = Field(
+        default=None,
+        pattern=r"^[A-Z][A-Z0-9_]*$",
+        description="vLLM attention backend by name (e.g. TRITON_ATTN); unset: vLLM picks for the GPU.",
+    )
+    enforce_eager: bool = False
+    compilation_config: dict[str, Any] | None = None
+    additional_config: dict[str, Any] | None = None
+    enable_flashinfer_autotune: bool | None = None
+    language_model_only: bool = False
+    shutdown_timeout: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_SHUTDOWN_TIMEOUT_S,
+        description="Seconds SIGTERM lets in-flight requests finish before they are ended (vLLM's "
+        "--shutdown-timeout; 0: end them at once).",
+    )
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    structured_outputs_config: dict[str, Any] | None = None
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    seed: int | None = None
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Other vLLM arguments, verbatim; may not repeat a typed field.",
+    )
+
+    @model_validator(mode="after")
+    def _extra_does_not_shadow(self) -> Engine:
+        typed = set(type(self).model_fields) - {"extra"}
+        for key in self.extra:
+            if key.replace("-", "_") in typed:
+                raise ValueError(f"engine.extra.{key} repeats the typed field engine.{key}")
+        return self
+
+
+class Capacity(_Strict):
+    """What the planner is expected to find (documentation and a regression check)."""
+
+    pool_tokens: int | None = None
+    pool_tokens_prefix_caching: int | None = None
+
+
+class Profile(_Strict):
+    """A serving configuration: models, ids, engine and the machine it is for."""
+
+    name: str
+    description: str
+    platform: Literal["cpu", "cuda"]
+    machine: str = Field(description="The machine it is sized for (e.g. rtx3090, dgx-spark).")
+    cuda_arch: str | None = Field(default=None, description="Compute capability, e.g. 8.6.")
+    require_api_key: bool = False
+    require_patches: bool = Field(
+        default=True,
+        description="Refuse to serve unless every patch of the series is delivered (every profile of this "
+        "stack runs the patched engine; only a test profile turns this off).",
+    )
+    served: Served
+    models: Models
+    engine: Engine
+    speculative: Speculative | None = None
+    lora: Lora | None = None
+    parallel: Parallel = Field(default_factory=Parallel)
+    env: dict[str, str] = Field(default_factory=dict, description="Environment for vLLM.")
+    capacity: Capacity = Field(default_factory=Capacity)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Profile:
+        needs_drafter = self.speculative is not None and self.speculative.uses_drafter
+        if needs_drafter != (self.models.drafter is not None):
+            raise ValueError("a dflash/draft_model `speculative` and `models.drafter` go together")
+        has_adapter = self.models.adapter is not None
+        if has_adapter != (self.served.adapter is not None) or has_adapter != (self.lora is not None):
+            raise ValueError("`models.adapter`, `served.adapter` and `lora` go together")
+        if self.served.adapter == self.served.base:
+            raise ValueError("the adapter id must differ from the base id")
+        return self
+
+    @property
+    def model_ids(self) -> list[str]:
+        return [self.served.base] + ([self.served.adapter] if self.served.adapter else [])
+
+
+def profile_names(directory: Path = PROFILES_DIR) -> list[str]:
+    return sorted(p.stem for p in directory.glob("*.toml") if p.name != ARTIFACT_LOCK_NAME)
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    return f"{where}: {err['msg']}"
+
+
+def load_profile(name: str, directory: Path = PROFILES_DIR) -> Profile:
+    """Read and validate ``profiles/<name>.toml``; any problem is one `ProfileError` line."""
+    path = directory / f"{name}.toml"
+    if not path.is_file():
+        known = ", ".join(profile_names(directory)) or "none"
+        raise ProfileError(f"unknown profile {name!r} (no {path}); known profiles: {known}")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: not valid TOML: {exc}") from None
+    try:
+        return Profile.model_validate({"name": name, **data})
+    except ValidationError as exc:
+        raise ProfileError(f"{path}: {_first_error(exc)}") from None
+
+
+def render_profiles_table(directory: Path = PROFILES_DIR) -> str:
+    """A Markdown table of every profile, generated from the profile files."""
+    rows = [
+        "| Profile | Machine | Context | Slots | KV cache | Speculation | Model ids |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in profile_names(directory):
+        p = load_profile(name, directory)
+        spec = p.speculative
+        spec_text = (
+            f"{spec.method} K={spec.num_speculative_tokens}"
+            + ("" if spec.enabled else " (off by default)")
+            + (f", lookup to {spec.verify_block}" if spec.lookup else "")
+            if spec
+            else "none"
+        )
+        par = p.parallel
+        machine = p.machine if par.tensor_parallel_size == 1 else f"{par.tensor_parallel_size}x {p.machine}"
+        if par.nodes > 1:
+            machine += f" ({par.nodes} hosts)"
+        rows.append(
+            f"| `{name}` | {machine} | {p.engine.max_model_len:,} | {p.engine.max_num_seqs} | "
+            f"{p.engine.kv_cache_dtype}{', prefix caching' if p.engine.enable_prefix_caching else ''} | "
+            f"{spec_text} | {', '.join(f'`{i}`' for i in p.model_ids)} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def _cmd_profiles(args) -> int:
+    if args.action == "table":
+        print(render_profiles_table(), end="")
+    else:
+        for name in profile_names():
+            print(f"{name}: {load_profile(name).description}")
+    return 0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("profiles", help="list the profiles, or print the README profile table")
+    parser.add_argument("action", nargs="?", choices=["list", "table"], default="list")
+    parser.set_defaults(func=_cmd_profiles)
