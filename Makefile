@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml $(DEV_LOCK) docker/cpu/install_lock.py
 	$(BIN)/python -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	# An editable install writes no bytecode, and where PYTHONDONTWRITEBYTECODE is set nothing
 	# ever does: every command would compile the project's modules again (~0.1 s of a cached plan).
-	$(BIN)/python -m compileall -q entrypoint prepare > /dev/null
+	$(BIN)/python -m compileall -q core prepare entrypoint bench > /dev/null
 	touch $(STAMP)
 
 # The engine the demo and the tests drive is the patched one, as in the images. A changed

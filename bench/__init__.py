@@ -1,32 +1,21 @@
-"""`qwen38 bench`: benchmarks that print figures (never timed unit tests).
+"""The benchmarks and the full-scale lab: `qwen38 bench ...` (not shipped in the serving images).
 
-Each benchmark is a module of this package with ``register(subparsers)``; the serving
-workloads (c1, c8, agent, depth, copy) and the micro-benchmarks of the preparation steps
-(plan, verify, requantize, adapter) all live here, so every performance claim in the docs names
-a ``qwen38 bench ...`` command.
+Every performance claim in the docs names a ``qwen38 bench`` command, and each command's
+work lives in a module of this package:
+
+- against a running server: the serving workloads c1, c8, agent, depth and copy
+  (`workloads` builds them from `prompts`, `measurement` runs them, `stats` and `report`
+  turn the records into the result document, `provenance` says who served and measured,
+  `serving` ties them together) and the watchdog's cost (`watchdog`);
+- runs of `qwen38` itself: start-up to a passed gate (`startup`), planning (`plan`),
+  SIGTERM mid-stream (`shutdown`);
+- the preparation steps at full size: verification (`verify`), int8 requantization
+  (`requantize`), the adapter converter (`adapter`, also run as ``python -m bench.adapter
+  WORK LAYERS``, its synthetic checkpoint's writer);
+- the full-scale lab on a lent GPU (`fullscale`, `fullscale_steps`, `fullscale_run`,
+  `fullscale_figures`) and the decode roofline it is set against (`roofline`).
+
+The command line (flags, dispatch, printing) is `bench.commands`; the modules beside it hold
+what they measure. The package sits above `core`, `prepare` and `entrypoint`; none of them
+imports it (the CLI loads `bench.commands` by name).
 """
-
-from __future__ import annotations
-
-import argparse
-import importlib
-
-BENCH_MODULES: tuple[str, ...] = (
-    "bench.serving",
-    "bench.startup",
-    "bench.plan",
-    "bench.shutdown",
-    "bench.verify",
-    "bench.requantize",
-    "bench.adapter",
-    "bench.fullscale",
-    "bench.roofline",
-    "bench.watchdog",
-)
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="run a benchmark and print its figures")
-    bench = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
-    for name in BENCH_MODULES:
-        importlib.import_module(name).register(bench)

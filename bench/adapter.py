@@ -16,17 +16,18 @@ just generated gigabytes would report the parent's peak, not its own.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from core.errors import BenchError
+from core.identity import GeneratedIdentity
+from core.manifest import write_manifest
+from prepare.checkpoint_writer import CheckpointWriter
+from prepare.directions import random_directions
 
 HIDDEN = 5120
 INTERMEDIATE = 17408
@@ -44,21 +45,14 @@ GENERATOR = "bench-adapter"
 
 
 def write_synthetic_checkpoint(directory: Path, layers: int = LAYERS, seed: int = 0) -> dict[str, int]:
-    """One shard per layer, and the manifest; returns {"bytes": total stored, "largest": largest tensor}."""
-    import hashlib
-
+    """One shard per layer, the index, config and manifest (`prepare.checkpoint_writer`);
+    returns {"bytes": total stored, "largest": largest tensor}."""
     import torch
-    from safetensors.torch import save
-
-    from core.identity import GeneratedIdentity
-    from core.manifest import sha256_file, write_manifest
 
     gen = torch.Generator().manual_seed(seed)
-    directory.mkdir(parents=True, exist_ok=True)
-    weight_map: dict[str, str] = {}
-    hashes: dict[str, str] = {}  # hashed as written: no second pass over 5 GB
+    writer = CheckpointWriter(directory)
     total = largest = 0
-    for layer in range(layers):
+    for layer in range(layers):  # one layer's tensors in memory at a time
         prefix = f"model.language_model.layers.{layer}"
         down = f"{prefix}.mlp.down_proj"
         mixer = f"{prefix}.{_layer_kind(layer)}"
@@ -77,33 +71,24 @@ def write_synthetic_checkpoint(directory: Path, layers: int = LAYERS, seed: int 
             f"{mixer}.weight": fp8,
             f"{mixer}.weight_scale": mixer_scale,
         }
-        shard = f"model-{layer + 1:05d}-of-{layers:05d}.safetensors"
-        data = save(tensors, metadata={"format": "pt"})
-        (directory / shard).write_bytes(data)
-        hashes[shard] = hashlib.sha256(data).hexdigest()
-        del data
-        for name, tensor in tensors.items():
-            weight_map[name] = shard
+        writer.write_shard(f"model-{layer + 1:05d}-of-{layers:05d}.safetensors", tensors)
+        for tensor in tensors.values():
             size = tensor.numel() * tensor.element_size()
             total += size
             largest = max(largest, size)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     config = {
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5",
         "text_config": {"model_type": "qwen3_5_text", "hidden_size": HIDDEN, "num_hidden_layers": layers},
     }
-    (directory / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("model.safetensors.index.json", "config.json"):
-        hashes[name] = sha256_file(directory / name)
+    hashes = writer.finish(config=config, index=True)  # hashed as written: no second pass over 5 GB
     identity = GeneratedIdentity(generator=GENERATOR, generator_version="1", params={"layers": layers, "seed": seed})
     write_manifest(directory, identity, files=hashes)
     return {"bytes": total, "largest": largest}
 
 
 def _child_env() -> dict[str, str]:
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo), env.get("PYTHONPATH")) if p)
     return env
@@ -119,17 +104,14 @@ def generate_in_child(work: Path, layers: int) -> dict[str, int]:
 
 
 def _generate(work: Path, layers: int) -> None:
-    from core.identity import GeneratedIdentity
-    from core.manifest import write_manifest
-    from prepare.directions import random_directions
-
     sizes = write_synthetic_checkpoint(work / "model", layers)
     random_directions(work / "model", work / "directions" / DIRECTIONS_FILE, seed=0, coef_range=(0.5, 1.5))
     write_manifest(work / "directions", GeneratedIdentity(generator=GENERATOR, generator_version="1"))
     print(json.dumps(sizes))
 
 
-def _own_rss() -> int:
+def own_rss() -> int:
+    """This process's resident set size now (bytes): the floor under a child's peak RSS."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
@@ -138,7 +120,7 @@ def _own_rss() -> int:
 
 def run_build_child(model: Path, directions: Path, out: Path, row_chunk: int) -> tuple[float, int, str]:
     """Run `qwen38 adapter build` in a child; (seconds, peak RSS bytes, stdout)."""
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[1]
     env = _child_env()
     cmd = [
         sys.executable, "-m", "entrypoint.cli", "adapter", "build",
@@ -156,55 +138,6 @@ def run_build_child(model: Path, directions: Path, out: Path, row_chunk: int) ->
     if code != 0:
         raise BenchError(f"`qwen38 adapter build` exited with {code}: {stderr.strip().splitlines()[-1:]}")
     return seconds, usage.ru_maxrss * 1024, stdout
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "adapter", help="time and peak RSS of the adapter converter on full-size synthetic modules"
-    )
-    parser.add_argument(
-        "--work-dir", type=Path, default=None, help="where to write the synthetic files (default: a temp dir)"
-    )
-    parser.add_argument("--layers", type=int, default=LAYERS, help=f"decoder layers (default {LAYERS}: 128 modules)")
-    parser.add_argument("--row-chunk", type=int, default=None, help="passed to `adapter build` (default: its own)")
-    parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and adapter")
-    parser.set_defaults(func=_cmd_bench)
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from prepare.adapter import DEFAULT_ROW_CHUNK
-
-    work = Path(tempfile.mkdtemp(prefix="qwen38-bench-adapter-", dir=args.work_dir))
-    try:
-        t0 = time.perf_counter()
-        sizes = generate_in_child(work, args.layers)
-        prep = time.perf_counter() - t0
-        row_chunk = args.row_chunk or DEFAULT_ROW_CHUNK
-        parent_rss = _own_rss()
-        seconds, peak, stdout = run_build_child(
-            work / "model", work / "directions" / DIRECTIONS_FILE, work / "adapter", row_chunk
-        )
-        adapter_size = (work / "adapter" / "adapter_model.safetensors").stat().st_size
-        bound = 2 * sizes["largest"] + GIB
-        print(f"synthetic checkpoint: {args.layers} layers, {2 * args.layers} modules, "
-              f"{sizes['bytes'] / GIB:.2f} GiB stored, largest tensor {sizes['largest'] / (1 << 20):.1f} MiB "
-              f"(written in {prep:.1f} s)")  # fmt: skip
-        print(stdout.strip())
-        print(f"convert: {seconds:.1f} s wall ({sizes['bytes'] / GIB / seconds:.2f} GiB/s of stored weights), "
-              f"row chunk {row_chunk}")  # fmt: skip
-        print(f"peak RSS of the converting process: {peak / (1 << 20):.0f} MiB; "
-              f"bound 2 x largest tensor + 1 GiB = {bound / (1 << 20):.0f} MiB "
-              f"(this bench process: {parent_rss / (1 << 20):.0f} MiB, a floor for the figure)")  # fmt: skip
-        print(f"adapter: {adapter_size / (1 << 20):.2f} MiB")
-        if peak >= bound:
-            raise BenchError(f"peak RSS {peak / (1 << 20):.0f} MiB is over the bound {bound / (1 << 20):.0f} MiB")
-        print("within bound: yes")
-        if args.keep:
-            print(f"kept: {work}")
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-    return 0
 
 
 if __name__ == "__main__":  # the generator child: python -m bench.adapter WORK LAYERS

@@ -24,93 +24,14 @@ or the steps one by one:
     qwen38 bench fullscale report --root R --out docs/gpu/DATE-GPU-fullscale.json
 
 The steps are `bench.fullscale_steps`, what comes next `bench.fullscale_run`,
-the pure arithmetic `bench.fullscale_figures` and `bench.roofline`.
+the pure arithmetic `bench.fullscale_figures` and `bench.roofline`, the command line
+`bench.commands.lab`; here, which served copies a call names (``--served``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-from pathlib import Path
-
-from bench.fullscale_run import run
-from bench.fullscale_steps import (
-    MEASURE_SIZES,
-    SERVED,
-    Served,
-    bytes_by_recipe,
-    generated_variants,
-    generation_projection,
-    measure_rates,
-    sample_memory,
-    step_adapter,
-    step_bandwidth,
-    step_generate,
-    step_measure,
-    step_patches,
-    step_prebuild,
-    step_profiles,
-    step_report,
-    step_requantize,
-    step_start,
-    step_stop,
-    step_wait,
-)
+from bench.fullscale_steps import SERVED, Served
 from core.errors import BenchError
-
-# ---------------------------------------------------------------------------------------
-# CLI
-
-
-def _cmd(args: argparse.Namespace) -> int:
-    root = Path(args.root)
-    step = args.step
-    if step == "rates":
-        rates = measure_rates()
-        by_kind = bytes_by_recipe(args.size)
-        projections = {
-            f"{cores} cores, disk {disk:.0f} MB/s": generation_projection(by_kind, rates, cores, disk, rates["sha256"])
-            for cores in (args.cores,) for disk in args.disk_mb_s
-        }
-        result = {"rates_mb_s_per_core": rates, "bytes_by_recipe": by_kind, "load_average": os.getloadavg(),
-                  "projection": projections}
-    elif step == "run":
-        result = run(root, budget_s=args.budget, size=args.size, sizes=args.sizes, base_port=args.port,
-                     out=Path(args.out) if args.out else None, workers=args.workers, served=served_subset(args.served))
-    elif step == "patches":
-        result = step_patches(root)
-    elif step == "bandwidth":
-        result = step_bandwidth(root)
-    elif step == "prebuild":
-        result = step_prebuild(root)
-    elif step == "generate":
-        result = step_generate(root, args.size, args.workers, args.disk_bytes,
-                               generated_variants(args.size, served_subset(args.served)))
-    elif step == "requantize":
-        result = step_requantize(root)
-    elif step == "adapter":
-        result = step_adapter(root)
-    elif step == "profiles":
-        result = step_profiles(root, args.device_bytes)
-    elif step == "report":
-        result = step_report(root, Path(args.out or root / "fullscale.json"))
-    else:
-        if not args.profile:
-            raise BenchError(f"fullscale {step}: name the served profile (one of {', '.join(SERVED)})")
-        if step == "start":
-            result = step_start(root, args.profile, args.port)
-        elif step == "wait":
-            result = step_wait(root, args.profile, args.timeout)
-        elif step == "measure":
-            result = step_measure(root, args.profile, args.sizes)
-        elif step == "sample":
-            sample_memory(args.pid, root / "logs" / f"{args.profile}.smi")
-            return 0
-        else:
-            result = step_stop(root, args.profile)
-    print(json.dumps(result, indent=1, default=str)[-6000:])
-    return 0
 
 
 def served_subset(names: str | None) -> dict[str, Served] | None:
@@ -122,36 +43,3 @@ def served_subset(names: str | None) -> dict[str, Served] | None:
     if unknown:
         raise BenchError(f"--served {','.join(unknown)}: unknown; expected some of {', '.join(SERVED)}")
     return {name: s for name, s in SERVED.items() if name in wanted}
-
-
-STEPS = ("run", "rates", "patches", "bandwidth", "prebuild", "generate", "requantize", "adapter", "profiles", "start",
-         "wait", "measure", "stop", "report", "sample")
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "fullscale",
-        help="Qwen3.8-27B's own shapes on a GPU: generate, requantize, serve, measure (resumable steps)",
-        description=__doc__.split("\n\n")[0],
-    )
-    parser.add_argument("step", choices=STEPS, metavar="STEP", help=f"one of {', '.join(STEPS[:-1])}")
-    parser.add_argument("profile", nargs="?", help="served profile (start/wait/measure/stop), e.g. single-full")
-    parser.add_argument("--root", required=True, help="work directory (models, profiles, cache, logs, results)")
-    parser.add_argument("--size", default="full", help="generator preset (default full; small for a dry run)")
-    parser.add_argument("--workers", type=int, default=None, help="generator processes (default: every core)")
-    parser.add_argument("--disk-bytes", type=int, default=4 << 30, help="generate: bytes of the disk speed test")
-    parser.add_argument("--device-bytes", type=int, default=None, help="device memory (default: read from CUDA)")
-    parser.add_argument("--port", type=int, default=18030, help="start: the port (run: the first of its ports)")
-    parser.add_argument("--timeout", type=float, default=540.0, help="wait: seconds at most (one call's budget)")
-    parser.add_argument("--sizes", choices=tuple(MEASURE_SIZES), default="quick",
-                        help="measure / run: workload sizes (quick fits a short lease; full: the articles')")
-    parser.add_argument("--budget", type=float, default=540.0, help="run: seconds this call may take")
-    parser.add_argument("--served", default=None,
-                        help="run, generate: a comma list of the served copies to run / generate for "
-                        f"(default all, in order: {', '.join(SERVED)})")
-    parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None, help="report / run: the JSON to write (docs/gpu/DATE-GPU-fullscale.json)")
-    parser.add_argument("--cores", type=int, default=16, help="rates: cores of the machine projected to (default 16)")
-    parser.add_argument("--disk-mb-s", type=float, nargs="+", default=[500.0, 1000.0, 2000.0],
-                        help="rates: disk write speeds projected to (MB/s)")
-    parser.set_defaults(func=_cmd)

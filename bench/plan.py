@@ -15,20 +15,20 @@ doubles these figures.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from core.errors import BenchError
+from core.profiles import load_profile
+from core.settings import load_settings
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _plan_once(profile: str, env: dict[str, str], *, compare: bool, timeout: float) -> dict[str, Any]:
@@ -54,8 +54,6 @@ def _plan_once(profile: str, env: dict[str, str], *, compare: bool, timeout: flo
 
 def measure_profile(profile: str, env: dict[str, str], workdir: Path, *, compare: bool, timeout: float) -> dict:
     """The cold, cached and re-planned `qwen38 plan` of one profile (and the cold comparison)."""
-    from core.profiles import load_profile
-    from core.settings import load_settings
 
     settings = load_settings(profile=profile)
     max_len = load_profile(profile, settings.profiles_dir).engine.max_model_len
@@ -75,47 +73,3 @@ def measure_profile(profile: str, env: dict[str, str], workdir: Path, *, compare
                          f"{runs['cold']['reused']}/{runs['cached']['reused']}/{runs['replan']['reused']})")
     return runs
 
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from bench.provenance import client_machine, versions, write_result
-    from core.profiles import profile_names
-    from core.settings import load_settings
-
-    profiles = args.profile or profile_names(load_settings().profiles_dir)
-    workdir = Path(tempfile.mkdtemp(prefix="qwen38-bench-plan-"))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    results = {}
-    try:
-        for profile in profiles:
-            runs = measure_profile(profile, env, workdir, compare=args.compare, timeout=args.timeout)
-            results[profile] = runs
-            line = ", ".join(f"{kind} {run['seconds']:.2f} s" for kind, run in runs.items())
-            print(f"plan {profile}: {line} (pool {runs['cold']['pool_tokens']:,} tokens; "
-                  f"load {runs['cold']['loadavg_before'][0]})", flush=True)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    doc = {
-        "benchmark": "plan",
-        "versions": versions(),
-        "command": "qwen38 plan --profile P --no-compare (cold, cached, MAX_MODEL_LEN halved)",
-        "profiles": results,
-        "machine": client_machine(args.machine_note),
-        "models_dir": env.get("MODELS_DIR", "models"),
-    }
-    write_result(doc, args.out)
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "plan",
-        help="time `qwen38 plan`: cold, cached, and re-planned after a knob change",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    parser.add_argument("--profile", action="append", help="profile to plan (repeatable; default: all)")
-    parser.add_argument("--compare", action="store_true", help="also time the default plan of both trees, cold")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds one plan may take (default 900)")
-    parser.add_argument("--out", help="write the figures as JSON here")
-    parser.add_argument("--machine-note", help="free text recorded with the machine")
-    parser.set_defaults(func=_cmd_plan)

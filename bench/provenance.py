@@ -21,17 +21,19 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from core.atomic import atomic_write_text
 from core.errors import BenchError
+from entrypoint import __version__ as stack_version
 from entrypoint.client import StackClient
+from entrypoint.run_files import statuses
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 
 
 def write_result(doc: dict[str, Any], out: str | None) -> None:
     """A benchmark's JSON result at ``out`` (atomically; nothing where ``out`` is None)."""
     if out:
-        from core.atomic import atomic_write_text
 
         atomic_write_text(Path(out), json.dumps(doc, indent=2) + "\n")
         print(f"result: {out}")
@@ -88,8 +90,6 @@ def _gpus() -> list[str]:
 def versions() -> dict[str, Any]:
     import httpx
 
-    from entrypoint import __version__ as stack_version
-
     return {
         "qwen38_stack": stack_version,
         "git_commit": _git_commit(),
@@ -138,13 +138,13 @@ def local_identity(base_url: str, cache_dir: Path) -> dict[str, Any] | None:
     """The readiness and verify status of the local deployment serving ``base_url``, if any."""
     if (urlsplit(base_url).hostname or "") not in LOOPBACK:
         return None
-    for path in sorted((cache_dir / "run").glob("*.status.json")):
+    for profile, path in statuses(cache_dir):
         ready = _read_json(path)
         if not ready or not _same_server(str(ready.get("base_url", "")), base_url):
             continue
         out: dict[str, Any] = {
             "source": str(path),
-            "profile": path.name.removesuffix(".status.json"),
+            "profile": profile,
             "ready": ready.get("ready"),
             "identity": ready.get("identity"),
             "checks": ready.get("checks"),

@@ -18,6 +18,7 @@ from typing import Any
 from bench.measurement import PointRun
 from bench.stats import MetricDelta, consistency_checks, summarize
 from bench.workloads import Point, Workload
+from core.atomic import atomic_file
 from core.errors import BenchError
 
 SCHEMA = "qwen38-bench/1"
@@ -354,7 +355,6 @@ def plot(docs: Sequence[dict[str, Any]], names: Sequence[str], out: Path) -> Non
     ax.set_title(f"qwen38 bench: {model}, decode speed vs {vs}\n{_served_on(docs[0])}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    from core.atomic import atomic_file
 
     with atomic_file(Path(out)) as tmp:
         fig.savefig(tmp, format="png", dpi=120)

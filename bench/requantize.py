@@ -18,17 +18,20 @@ baseline's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from core.errors import BenchError
+from core.identity import GeneratedIdentity
+from core.manifest import write_manifest
+from core.safetensors_stream import TensorSpec
+from prepare.checkpoint_writer import CheckpointWriter
+from prepare.requantize import requantize_checkpoint
 
 ROWS, COLS = 248_320, 5_120
 TENSOR = "lm_head.weight"
@@ -48,26 +51,22 @@ def build_input(directory: Path, rows: int, cols: int) -> Path:
     """A checkpoint directory with one random bf16 table, written a block at a time."""
     import torch
 
-    from core.identity import GeneratedIdentity
-    from core.manifest import write_manifest
-    from core.safetensors_stream import ShardWriter, TensorSpec
-
     directory.mkdir(parents=True)
-    writer = ShardWriter(directory / "model.safetensors", [TensorSpec(TENSOR, "BF16", (rows, cols))], {"format": "pt"})
+    checkpoint = CheckpointWriter(directory)
+    writer = checkpoint.open_shard("model.safetensors", [TensorSpec(TENSOR, "BF16", (rows, cols))])
     generator = torch.Generator().manual_seed(0)
     block = max(1, (32 << 20) // (cols * 2))
     for start in range(0, rows, block):
         count = min(block, rows - start)
         values = (torch.randn(count, cols, generator=generator) * 0.02).to(torch.bfloat16)
         writer.write(TENSOR, values.view(torch.uint8).numpy())
-    writer.finish()
     config = {
         "architectures": ["Qwen3_5ForCausalLM"],
         "tie_word_embeddings": False,
         "vocab_size": rows,
         "hidden_size": cols,
     }
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    checkpoint.finish(config=config, index=False)
     write_manifest(
         directory,
         GeneratedIdentity(generator="bench-requantize", generator_version="1", params={"rows": rows, "cols": cols}),
@@ -97,8 +96,6 @@ def _child_baseline(src: Path, dst: Path) -> dict:
 def _child_requantize(src: Path, dst: Path, workers: int | None) -> dict:
     import torch  # noqa: F401
 
-    from prepare.requantize import requantize_checkpoint
-
     began = time.perf_counter()
     result = requantize_checkpoint(src, dst, ["lm_head"], workers=workers)
     seconds = time.perf_counter() - began
@@ -117,7 +114,7 @@ def _child_main(argv: list[str]) -> None:
 
 def _run_child(mode: str, src: Path, dst: Path, workers: int | None) -> dict:
     code = "import sys; from bench.requantize import _child_main; _child_main(sys.argv[1:])"
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(
         [sys.executable, "-c", code, mode, str(src), str(dst), str(workers or 0)],
@@ -172,53 +169,3 @@ def run_bench(workdir: Path, rows: int = ROWS, cols: int = COLS, workers: int | 
     figures["targets_met"] = figures["throughput_ratio"] >= 0.5 and figures["rss_ratio"] < 1.5
     return figures
 
-
-def _print(figures: dict) -> None:
-    gb = 1e9
-    print(
-        f"table: {figures['rows']:,} x {figures['cols']:,} bf16 = {figures['table_bytes'] / gb:.2f} GB; "
-        f"{figures['cpus']} CPUs, load average {figures['load_average']:.1f}"
-    )
-    for mode in ("baseline", "requantize"):
-        f = figures[mode]
-        print(
-            f"{mode:>10}: {f['seconds']:6.1f} s  {f['throughput_bytes_per_s'] / gb:5.2f} GB/s  "
-            f"peak RSS {f['peak_rss_bytes'] / gb:5.2f} GB  CPU {f['cpu_seconds']:5.1f} s"
-            + (
-                f"  (quantize loop {f['quantize_seconds']:.1f} s, relative error {f['relative_error']:.3%})"
-                if mode == "requantize"
-                else ""
-            )
-        )
-    print(
-        f"requantize/baseline throughput {figures['throughput_ratio']:.0%} (target >= 50 %), "
-        f"peak RSS {figures['rss_ratio']:.2f} x table (target < 1.5): "
-        + ("targets met" if figures["targets_met"] else "TARGETS MISSED")
-    )
-
-
-def _run(args: argparse.Namespace) -> int:
-    base = Path(args.dir) if args.dir else None
-    if base is not None:
-        base.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="qwen38-bench-requantize-", dir=base))
-    try:
-        figures = run_bench(workdir, args.rows, args.cols, args.workers)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    print(json.dumps(figures, indent=2) if args.json else "", end="\n" if args.json else "")
-    if not args.json:
-        _print(figures)
-    return 0 if figures["targets_met"] else 1
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "requantize", help="int8 requantization of a full-size table vs plain safetensors I/O"
-    )
-    parser.add_argument("--rows", type=int, default=ROWS, help="table rows (default: %(default)s)")
-    parser.add_argument("--cols", type=int, default=COLS, help="table columns (default: %(default)s)")
-    parser.add_argument("--workers", type=int, default=None, help="quantization threads (default: the step's own)")
-    parser.add_argument("--dir", default=None, help="scratch directory (needs ~3x the table on disk)")
-    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    parser.set_defaults(func=_run)

@@ -25,14 +25,14 @@ What one step reads (the method, docs/performance.md):
 
 from __future__ import annotations
 
-import argparse
 import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from core.checkpoint import text_config
 from core.errors import BenchError
+from core.profiles import load_profile
+from prepare.synthetic import MODEL_CONFIGS, PRESETS, VARIANTS, drafter_tensors, target_tensors
 
 # Nominal bandwidths (vendor figures); the H200's measured figure comes from the GPU run.
 BANDWIDTH = {"H200 (nominal)": 4.8e12, "RTX 3090": 936e9, "DGX Spark": 273e9}
@@ -111,7 +111,6 @@ def int8_table_bytes(rows: int, cols: int) -> int:
 
 def model_config(artifact: str) -> dict[str, Any]:
     """A real checkpoint's config.json (profiles/model-configs/<artifact key>)."""
-    from prepare.synthetic import MODEL_CONFIGS
 
     path = MODEL_CONFIGS / artifact / "config.json"
     if not path.is_file():
@@ -123,7 +122,6 @@ def serving(profile) -> Serving:
     """The bytes one decode step of ``profile`` (an `core.profiles.Profile`) reads, from
     the real configs of its artifacts (profiles/model-configs/) and their stored formats (the
     tensor inventories of `prepare.synthetic`'s full preset, which is read from those configs)."""
-    from prepare.synthetic import PRESETS, VARIANTS, drafter_tensors, target_tensors
 
     full = PRESETS["full"]
     target = profile.models.target
@@ -151,8 +149,6 @@ def serving(profile) -> Serving:
 
 
 def servings(names=("single", "long", "spark-lora")) -> dict[str, Serving]:
-    from core.profiles import load_profile
-
     return {name: serving(load_profile(name)) for name in names}
 
 
@@ -178,7 +174,6 @@ def table(contexts=(512, 10_000, 43_000, 100_000), batches=(1, 8), measured: dic
           ) -> list[dict[str, Any]]:
     """Every profile on its machine and on the H200 (nominal, and ``measured``: machine -> bytes/s),
     at each context its profile serves."""
-    from core.profiles import load_profile
 
     rows = []
     for name, s in servings().items():
@@ -214,26 +209,3 @@ def markdown(rows: list[dict[str, Any]], machine_filter=None) -> str:
         )
     return "\n".join(out) + "\n"
 
-
-def _cmd(args: argparse.Namespace) -> int:
-    measured = {"H200 (measured)": args.measured_gb_s * 1e9} if args.measured_gb_s else None
-    rows = table(measured=measured)
-    parts = {name: asdict(s) for name, s in servings().items()}
-    if args.json:
-        Path(args.json).write_text(json.dumps({"servings": parts, "rows": rows, "projection": True}, indent=1) + "\n")
-    for name, s in parts.items():
-        print(f"{name}: " + ", ".join(f"{k} {v / 1e9:.3f} GB" if isinstance(v, int) and v > 1e6 else f"{k} {v}"
-                                      for k, v in s.items() if k not in ("profile",)))
-    print(markdown(rows), end="")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "roofline", help="projected decode ceilings from bytes per step and memory bandwidth (docs/performance.md)",
-        description=__doc__.split("\n\n")[0],
-    )
-    parser.add_argument("--json", default=None, help="write the servings and the table as JSON here")
-    parser.add_argument("--measured-gb-s", type=float, default=None,
-                        help="add rows at this measured H200 bandwidth (GB/s; `bench fullscale bandwidth` measures it)")
-    parser.set_defaults(func=_cmd)

@@ -16,18 +16,15 @@ profile's value applies.
 
 from __future__ import annotations
 
-import argparse
 import signal
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from core.errors import BenchError
+from entrypoint.client import StackClient
 
 LONG_TOKENS = 3000
 LATE_S = 0.5  # a request sent this long after SIGTERM: what a client arriving mid-stop sees
@@ -91,7 +88,6 @@ _models: dict[str, str] = {}
 
 def _model(base_url: str, api_key: str) -> str:
     if base_url not in _models:
-        from entrypoint.client import StackClient
 
         with StackClient(base_url, api_key) as client:
             _models[base_url] = client.model_ids()[0]
@@ -169,88 +165,3 @@ def _late_request(base_url: str, api_key: str) -> str:
     except Exception as exc:
         return f"{type(exc).__module__}.{type(exc).__name__}: {str(exc)[:160]}"
 
-
-def _cmd_shutdown(args: argparse.Namespace) -> int:
-    import os
-
-    from bench.provenance import client_machine, versions, write_result
-    from bench.startup import REPO, THROWAWAY_KEY, _engine_env, _free_port, _verdict
-    from core.settings import client_api_key
-
-    workdir = Path(tempfile.mkdtemp(prefix="qwen38-bench-shutdown-"))
-    cache_dir = Path(args.cache_dir) if args.cache_dir else workdir / "cache"
-    port = args.port or _free_port()
-    env = {**_engine_env(args.profile, workdir), "PORT": str(port), "CACHE_DIR": str(cache_dir)}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    if args.shutdown_timeout is not None:
-        env["SHUTDOWN_TIMEOUT"] = str(args.shutdown_timeout)
-    log = workdir / "serve.log"
-    load_before = [round(x, 2) for x in os.getloadavg()]
-    with open(log, "w") as handle:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "entrypoint.cli", "serve", "--profile", args.profile],
-            env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    try:
-        status = cache_dir / "run" / f"{args.profile}.status.json"
-        deadline = time.monotonic() + args.timeout
-        while (verdict := _verdict(status, process.pid)) is None:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise BenchError(f"`qwen38 serve --profile {args.profile}` did not pass its gate; see {log}")
-            time.sleep(0.5)
-        if not verdict.get("ready"):
-            raise BenchError(f"the readiness gate failed: {verdict.get('error')}")
-        # The server's key: the throw-away one _engine_env wrote, else the user's settings.
-        generated = workdir / THROWAWAY_KEY
-        key = client_api_key(key_file=generated if generated.is_file() else None) or ""
-        import yaml
-
-        from entrypoint.drain import ENGINE_GRACE_S
-
-        rendered = yaml.safe_load((cache_dir / "run" / f"{args.profile}.vllm.yaml").read_text())
-        drain = rendered["shutdown-timeout"] - ENGINE_GRACE_S
-        result = stop_mid_stream(process, f"http://127.0.0.1:{port}", key, short_tokens=args.short_tokens)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        if not args.keep:
-            import shutil
-
-            shutil.rmtree(workdir, ignore_errors=True)
-    print(f"drain {drain} s; a request sent {LATE_S} s after SIGTERM: {result['late_request']}")
-    print(f"SIGTERM -> `qwen38 serve` exited in {result['exit_s']:.1f} s (exit {result['exit_code']})")
-    for client in result["clients"]:
-        print(
-            f"  {client['client']:<13} {client['outcome']:<8} after {client['seconds_after_stop']} s, "
-            f"{client['events_at_stop']} events before the stop, {client['events']} in all: {client['detail']}"
-        )
-    doc = {
-        "benchmark": "shutdown",
-        "versions": versions(),
-        "profile": args.profile,
-        "shutdown_timeout": drain,
-        "loadavg_before": load_before,
-        **result,
-        "machine": client_machine(args.machine_note),
-    }
-    write_result(doc, args.out)
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "shutdown",
-        help="SIGTERM `qwen38 serve` mid-stream: what each SDK sees, and how long the stop takes",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    parser.add_argument("--profile", required=True, help="profile to start (its models must be prepared)")
-    parser.add_argument("--shutdown-timeout", type=int, default=None, help="drain seconds (default: the profile's)")
-    parser.add_argument("--short-tokens", type=int, default=48, help="max_tokens of the short stream (default 48)")
-    parser.add_argument("--port", type=int, default=0, help="port to serve on (default: a free one)")
-    parser.add_argument("--cache-dir", help="use this CACHE_DIR (default: a fresh temporary one)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds to wait for the gate (default 1800)")
-    parser.add_argument("--out", help="write the figures as JSON here")
-    parser.add_argument("--machine-note", help="free text recorded with the machine")
-    parser.add_argument("--keep", action="store_true", help="keep the temporary directory (serve.log)")
-    parser.set_defaults(func=_cmd_shutdown)

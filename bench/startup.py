@@ -16,7 +16,6 @@ cache instead. Nothing is left running: the server is stopped after each run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -24,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,14 +30,17 @@ from typing import Any
 import httpx
 
 from core.errors import BenchError
+from core.settings import load_settings, load_settings_profile
+from entrypoint.keys import init_key_file
+from entrypoint.run_files import status_path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 _VERIFIED = re.compile(r"qwen38: verified \S+ in ([0-9.]+) s")
 _PLANNED = re.compile(r"qwen38: (?:planned in ([0-9.]+) s|plan reused)")
 _READY = re.compile(r"qwen38: ready in ([0-9.]+) s")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -71,7 +72,7 @@ def _stop(process: subprocess.Popen, timeout: float) -> float:
     return time.perf_counter() - start
 
 
-def _verdict(status: Path, pid: int) -> dict[str, Any] | None:
+def gate_verdict(status: Path, pid: int) -> dict[str, Any] | None:
     """The gate's verdict written by the supervisor ``pid`` (not a previous start's)."""
     try:
         found = json.loads(status.read_text())
@@ -84,7 +85,7 @@ def measure_start(
     profile: str, env: dict[str, str], cache_dir: Path, port: int, log: Path, timeout: float
 ) -> dict[str, Any]:
     """One `qwen38 serve` start: seconds to /health and to a passed gate, then the stop."""
-    status = cache_dir / "run" / f"{profile}.status.json"
+    status = status_path(cache_dir, profile)
     status.unlink(missing_ok=True)  # only this start's verdict counts
     load_before = [round(x, 2) for x in os.getloadavg()]
     env = {**env, "PORT": str(port), "CACHE_DIR": str(cache_dir), "READY_TIMEOUT": str(int(timeout))}
@@ -110,7 +111,7 @@ def measure_start(
                             health_s = elapsed
                     except httpx.HTTPError:
                         pass
-                found = _verdict(status, process.pid)
+                found = gate_verdict(status, process.pid)
                 if found is not None:
                     verdict = found
                     ready_s = time.perf_counter() - start
@@ -147,13 +148,11 @@ def measure_start(
     }
 
 
-THROWAWAY_KEY = "api_key"  # in the work directory: the key _engine_env writes when the profile needs one
+THROWAWAY_KEY = "api_key"  # in the work directory: the key engine_env writes when the profile needs one
 
 
-def _engine_env(profile: str, workdir: Path) -> dict[str, str]:
+def engine_env(profile: str, workdir: Path) -> dict[str, str]:
     """The user's environment, plus a throw-away API key when the profile needs one and none is set."""
-    from core.settings import load_settings, load_settings_profile
-    from entrypoint.keys import init_key_file
 
     settings = load_settings(profile=profile)
     env = dict(os.environ)
@@ -163,57 +162,3 @@ def _engine_env(profile: str, workdir: Path) -> dict[str, str]:
         env["API_KEY_FILE"] = str(key)
     return env
 
-
-def _cmd_startup(args: argparse.Namespace) -> int:
-    from bench.provenance import client_machine, versions, write_result
-
-    if args.repeat < 1:
-        raise BenchError(f"--repeat {args.repeat}: must be >= 1")
-    workdir = Path(tempfile.mkdtemp(prefix="qwen38-bench-startup-"))
-    cache_dir = Path(args.cache_dir) if args.cache_dir else workdir / "cache"
-    env = _engine_env(args.profile, workdir)
-    port = args.port or _free_port()
-    runs = []
-    for i in range(args.repeat):
-        kind = "given cache" if args.cache_dir else ("cold cache" if i == 0 else "warm cache")
-        result = measure_start(args.profile, env, cache_dir, port, workdir / f"serve-{i}.log", args.timeout)
-        result["cache"] = kind
-        runs.append(result)
-        print(
-            f"start {i + 1} ({kind}): `qwen38 serve --profile {args.profile}` -> ready in {result['ready_s']:.1f} s "
-            f"(/health at {result['health_s']} s; verify {result['verify_s']} s; plan {result['plan_s']} s; "
-            f"gate {result['gate_s']} s; load {result['loadavg_before'][0]}); "
-            f"stopped in {result['stop_s']:.1f} s",
-            flush=True,
-        )
-    doc = {
-        "benchmark": "startup",
-        "versions": versions(),
-        "profile": args.profile,
-        "runs": runs,
-        "machine": client_machine(args.machine_note),
-        "models_dir": env.get("MODELS_DIR", "models"),
-    }
-    write_result(doc, args.out)
-    if not args.keep:
-        import shutil
-
-        shutil.rmtree(workdir, ignore_errors=True)
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "startup",
-        help="time from `qwen38 serve --profile P` to a passed readiness gate",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    parser.add_argument("--profile", required=True, help="profile to start (its models must be prepared)")
-    parser.add_argument("--repeat", type=int, default=2, help="starts: the first cold, the others warm (default 2)")
-    parser.add_argument("--port", type=int, default=0, help="port to serve on (default: a free one)")
-    parser.add_argument("--cache-dir", help="use this CACHE_DIR (default: a fresh temporary one)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds to wait for the gate (default 1800)")
-    parser.add_argument("--out", help="write the figures as JSON here")
-    parser.add_argument("--machine-note", help="free text recorded with the machine")
-    parser.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
-    parser.set_defaults(func=_cmd_startup)

@@ -29,19 +29,24 @@ before prepare left its hashes: every byte read again) and with the cache prepar
 
 from __future__ import annotations
 
-import argparse
 import hashlib
-import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from core.artifact_lock import ArtifactLock, LockedArtifact, LockedFile, write_lock
 from core.errors import BenchError
+from core.hashing import available_cores
+from core.identity import GeneratedIdentity
+from core.manifest import read_manifest, write_manifest
+from core.profiles import Profile
+from core.settings import Settings
+from core.stat_cache import RACY_WINDOW_NS, StatCache
+from entrypoint.verify import DirReport, verify_directories, verify_profile
 
 _BLOCK = 64 << 20
 
@@ -140,9 +145,6 @@ def cpu_pressure() -> float | None:
 
 def _verify_dir(directory: Path, cache_path: Path | None, *, full: bool, jobs: int | None):
     """verify's file checks for one directory: manifest, stat cache, stat, hash (cold runs)."""
-    from core.manifest import read_manifest
-    from core.stat_cache import StatCache
-    from entrypoint.verify import DirReport, verify_directories
 
     cache = StatCache.load(cache_path) if cache_path is not None else StatCache(None)
     manifest = read_manifest(directory)
@@ -155,9 +157,6 @@ def _verify_dir(directory: Path, cache_path: Path | None, *, full: bool, jobs: i
 
 
 def bench_cold(root: Path, total: int, nfiles: int, jobs: int, drop: str, repeat: int = 3) -> dict:
-    from core.identity import GeneratedIdentity
-    from core.manifest import write_manifest
-
     directory = root / "cold"
     directory.mkdir()
     size = total // nfiles
@@ -248,7 +247,6 @@ print(t1 - t0, t2 - t1)
 
 def one_slot_profile(name: str, description: str, directory: str, artifact: str):
     """A profile serving one pinned artifact from ``MODELS_DIR/directory``: what verify benches check."""
-    from core.profiles import Profile
 
     return Profile.model_validate(
         {
@@ -265,7 +263,6 @@ def one_slot_profile(name: str, description: str, directory: str, artifact: str)
 
 def warm_fixture(root: Path):
     """The warm bench's profile (one pinned-artifact slot), settings and lock path."""
-    from core.settings import Settings
 
     profile = one_slot_profile("bench-verify", "synthetic 15-file directory", "warm", "bench-synthetic")
     settings = Settings.model_construct(models_dir=root, cache_dir=root / "cache")
@@ -274,10 +271,6 @@ def warm_fixture(root: Path):
 
 def bench_warm(root: Path, total: int, nfiles: int, jobs: int) -> dict:
     """A restart of `verify_profile` itself: lock, manifest vs lock, stat cache, engine, status."""
-    from core.artifact_lock import ArtifactLock, LockedArtifact, LockedFile, write_lock
-    from core.manifest import write_manifest
-    from core.stat_cache import RACY_WINDOW_NS
-    from entrypoint.verify import verify_profile
 
     directory = root / "warm"
     directory.mkdir()
@@ -317,7 +310,7 @@ def bench_warm(root: Path, total: int, nfiles: int, jobs: int) -> dict:
         runs.append(time.perf_counter() - start)
         if report.dirs[0].hashed:
             raise BenchError(f"warm run re-hashed {report.dirs[0].hashed} files; the stat cache did not hold")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     start = time.perf_counter()
     probe = subprocess.run([sys.executable, "-c", _PROBE, str(root)], capture_output=True, text=True, env=env)
     process_wall = time.perf_counter() - start
@@ -349,9 +342,6 @@ def bench_warm(root: Path, total: int, nfiles: int, jobs: int) -> dict:
 
 def bench_first(root: Path, total: int, nfiles: int, jobs: int, drop: str) -> dict:
     """The first verify after prepare: with a fresh stat cache, and with the one prepare left."""
-    from core.artifact_lock import ArtifactLock, LockedArtifact, LockedFile, write_lock
-    from core.settings import Settings
-    from entrypoint.verify import verify_profile
 
     source = root / "first-source"
     source.mkdir()
@@ -366,7 +356,7 @@ def bench_first(root: Path, total: int, nfiles: int, jobs: int, drop: str) -> di
     models, prepared_cache = root / "first-models", root / "first-cache-prepared"
 
     # The real command, in a new process, as the compose prepare service runs it.
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), MODELS_DIR=str(models),
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), MODELS_DIR=str(models),
                CACHE_DIR=str(prepared_cache))
     for knob in ("PROFILE", "PROFILES_DIR", "LOG_LEVEL"):
         env.pop(knob, None)
@@ -416,48 +406,9 @@ def bench_first(root: Path, total: int, nfiles: int, jobs: int, drop: str) -> di
     }
 
 
-def _cmd_bench_verify(args: argparse.Namespace) -> int:
-    from core.hashing import available_cores
-
-    jobs = args.jobs or available_cores()
-    parent = Path(args.dir) if args.dir else None
-    if parent is not None:
-        parent.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="qwen38-bench-verify-", dir=parent))
-    cold_bytes = int(args.cold_gb * 1e9)
-    free = shutil.disk_usage(root).free
-    if not args.skip_cold and free < cold_bytes * 1.2:
-        shutil.rmtree(root)
-        raise BenchError(f"{root}: the cold bench writes {args.cold_gb} GB, only {free / 1e9:.1f} GB free")
-    if not args.skip_first and free < args.first_gb * 1e9 * 2.1:
-        shutil.rmtree(root)
-        raise BenchError(
-            f"{root}: the first-verify bench needs {args.first_gb * 2:.0f} GB (the files and their prepared copy), "
-            f"only {free / 1e9:.1f} GB free; lower --first-gb or pass --skip-first"
-        )
-    results: dict = {"machine": _machine(), "jobs": jobs}
-    print(f"machine: {results['machine']}; verify threads: {jobs}", flush=True)
-    try:
-        if not args.skip_cold:
-            results["cold"] = bench_cold(root, cold_bytes, args.cold_files, jobs, args.drop, args.repeat)
-        if not args.skip_warm:
-            results["warm"] = bench_warm(root, int(args.warm_gb * 1e9), args.warm_files, jobs)
-        if not args.skip_first:
-            results["first"] = bench_first(root, int(args.first_gb * 1e9), args.first_files, jobs, args.drop)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    results["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    if args.json:
-        print(json.dumps(results, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    return 0
-
-
-def _machine() -> dict:
+def describe_machine() -> dict:
+    """The CPU, usable cores, Python, kernel and load average the figures were taken with."""
     import platform
-
-    from core.hashing import available_cores
 
     model = ""
     try:
@@ -475,29 +426,3 @@ def _machine() -> dict:
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
     }
 
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "verify",
-        help="start-up verification throughput (cold, vs cat/sha256sum), warm restart time, first start after prepare",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    parser.add_argument("--dir", help="where to create the synthetic files (default: the temp dir)")
-    parser.add_argument("--cold-gb", type=float, default=4.0, help="total size of the cold files (GB)")
-    parser.add_argument("--cold-files", type=int, default=8)
-    parser.add_argument("--warm-gb", type=float, default=25.0, help="total size of the sparse warm directory (GB)")
-    parser.add_argument("--warm-files", type=int, default=15)
-    parser.add_argument("--jobs", type=int, default=None, help="verify threads (default: the usable cores)")
-    parser.add_argument("--drop", choices=["fadvise", "global"], default="fadvise", help="how to evict the page cache")
-    parser.add_argument("--repeat", type=int, default=3, help="interleaved cat/verify cold runs (median)")
-    parser.add_argument(
-        "--first-gb", type=float, default=20.0,
-        help="total size of the files prepared, then verified by a first start (GB; needs twice that free)",
-    )
-    parser.add_argument("--first-files", type=int, default=8)
-    parser.add_argument("--skip-cold", action="store_true")
-    parser.add_argument("--skip-warm", action="store_true")
-    parser.add_argument("--skip-first", action="store_true")
-    parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
-    parser.add_argument("--out", help="write the figures as JSON to this file")
-    parser.set_defaults(func=_cmd_bench_verify)

@@ -18,14 +18,9 @@ canary is off (WATCHDOG_CANARY_INTERVAL=0), or its canaries count in the figures
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 from typing import Any
 
-from bench.provenance import client_machine
-from bench.serving import api_key
 from bench.stats import distribution
 from core.errors import BenchError
 from core.settings import Settings
@@ -83,47 +78,3 @@ def measure_watchdog_cost(client: StackClient, model: str, reads: int, canaries:
         },
     }
 
-
-def _cmd_watchdog(args: argparse.Namespace) -> int:
-    with StackClient(args.base_url, api_key(args)) as client:
-        result = measure_watchdog_cost(client, args.model, args.reads, args.canaries, args.pause)
-    result = {
-        "bench": "watchdog",
-        "base_url": args.base_url,
-        "model": args.model,
-        "machine": client_machine(args.machine_note),
-        **result,
-    }
-    reads, canary, load = result["metrics_reads"], result["canaries"], result["at_defaults"]
-    print(
-        f"/metrics: {reads['seconds']['p50'] * 1000:.1f} ms per read (p50 of {reads['n']}), {reads['bytes']} bytes, "
-        f"{reads['api_server_cpu_seconds_per_read'] * 1000:.2f} ms of API-server CPU"
-    )
-    print(f"canary: {canary['seconds']['p50']:.3f} s (p50 of {canary['n']}), {canary['tokens']} tokens")
-    print(
-        f"at the defaults: polls take {100 * load['api_server_cpu_share_of_one_core']:.3f} % of one core; "
-        f"the canary {100 * load['idle_engine_time_share']:.2f} % of an idle engine's time (none of a busy one's)"
-    )
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "watchdog",
-        help="what the watchdog's /metrics polls and canaries cost a running server",
-        description="Measure the API server's CPU per /metrics read and the canary's time on a running server, "
-        "and the load both put on it at the default watchdog knobs.",
-    )
-    parser.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:18020")
-    parser.add_argument("--model", required=True, help="the base model id (the canary's)")
-    parser.add_argument("--api-key", help="API key (prefer --api-key-file; default: VLLM_API_KEY / API_KEY_FILE)")
-    parser.add_argument("--api-key-file", help="file holding the API key")
-    parser.add_argument("--reads", type=int, default=200, help="/metrics reads (default 200)")
-    parser.add_argument("--canaries", type=int, default=10, help="canary requests (default 10)")
-    parser.add_argument("--pause", type=float, default=1.0, help="seconds between canaries (default 1)")
-    parser.add_argument("--out", help="write the result as JSON here")
-    parser.add_argument("--machine-note", help="free text recorded with the machine")
-    parser.set_defaults(func=_cmd_watchdog)

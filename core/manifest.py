@@ -20,13 +20,19 @@ directories record their inputs' digests, the stat cache binds its entries to it
 served identity string includes it. For an artifact directory the whole manifest follows
 from the lock (`artifact_manifest`), so even a consistently re-digested edit is caught
 there; see docs/pinning.md for the full argument.
+
+Whether a prepared directory is current - its manifest reads, it is the one wanted, and its
+files are still the listed ones - is asked in one place: `current_manifest` / `is_current`
+(sizes by default, sha256 for ``--recheck``); `file_mismatches` names what differs for the
+steps that refuse an input visibly out of step with its manifest.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -46,9 +52,14 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "ManifestFile",
+    "FileMismatch",
     "build_manifest",
     "content_files",
+    "current_manifest",
+    "file_mismatches",
+    "files_match",
     "input_ref",
+    "is_current",
     "read_manifest",
     "sha256_file",
     "trusted_links",
@@ -298,3 +309,120 @@ def input_ref(directory: Path | str, role: str) -> InputRef:
     """The `InputRef` of an input directory, read from its (verified) manifest."""
     manifest = read_manifest(directory)
     return InputRef(role=role, identity=manifest.identity, manifest_digest=manifest.digest)
+
+
+# ---- is a prepared directory current? ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileMismatch:
+    """One way a directory's content differs from its manifest's file list (sizes only)."""
+
+    path: str  # relative POSIX path
+    expected: int | None  # the listed size; None: a file the manifest does not list
+    found: int | None  # the size on disk (through a symlink); None: absent, or a dangling link
+
+    @property
+    def kind(self) -> Literal["missing", "size", "extra"]:
+        if self.expected is None:
+            return "extra"
+        return "missing" if self.found is None else "size"
+
+
+# What `Path.exists` takes for "not there": a missing file or parent, a dangling or looping link.
+_ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP)
+
+
+def _size_on_disk(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError as exc:
+        if exc.errno in _ABSENT:
+            return None
+        raise
+
+
+def _present(directory: Path) -> set[str]:
+    return {p.relative_to(directory).as_posix() for p in content_files(directory)}
+
+
+def _differences(directory: Path, manifest: Manifest) -> tuple[list[FileMismatch], set[str]]:
+    """The size mismatches (listed files in manifest order, then unlisted ones, sorted) and
+    the relative paths of the directory's content files."""
+    present = _present(directory)
+    mismatches = [
+        FileMismatch(entry.path, entry.size, found)
+        for entry in manifest.files
+        if (found := _size_on_disk(directory / entry.path)) != entry.size
+    ]
+    listed = manifest.by_path()
+    mismatches += [FileMismatch(rel, None, None) for rel in sorted(present) if rel not in listed]
+    return mismatches, present
+
+
+def file_mismatches(directory: Path | str, manifest: Manifest) -> list[FileMismatch]:
+    """What keeps ``directory`` from holding exactly ``manifest``'s files at their sizes: each
+    listed file absent or at another size (in the manifest's order), then each content file
+    the manifest does not list (sorted). Hashes are not read."""
+    return _differences(Path(directory), manifest)[0]
+
+
+def files_match(directory: Path | str, manifest: Manifest, *, sha256: bool = False) -> bool:
+    """``directory`` holds exactly ``manifest``'s files (no file missing, none unlisted), each at
+    its listed size; with ``sha256`` instead each hashing as listed (``--recheck``: every byte
+    is read; an unreadable file does not match)."""
+    directory = Path(directory)
+    if not sha256:
+        mismatches, present = _differences(directory, manifest)
+        return not mismatches and present == {entry.path for entry in manifest.files}
+    paths = {entry.path: directory / entry.path for entry in manifest.files}
+    if _present(directory) != set(paths):
+        return False  # a file missing, or one the manifest does not list
+    try:
+        with progress.hashing(list(paths.values()), f"recheck: sha256 of {directory}") as bar:
+            found = hash_files(paths.values(), progress=bar.update)
+    except OSError:
+        return False
+    return all(found[paths[entry.path]] == entry.sha256 for entry in manifest.files)
+
+
+Wanted = AnyIdentity | Manifest | Callable[[Manifest], bool] | None
+
+
+def _is_wanted(manifest: Manifest, wanted: Wanted) -> bool:
+    if wanted is None:
+        return True
+    if isinstance(wanted, Manifest):
+        return manifest.digest == wanted.digest
+    if isinstance(wanted, (ArtifactIdentity, DerivedIdentity, GeneratedIdentity)):
+        return manifest.identity == wanted
+    return bool(wanted(manifest))
+
+
+def current_manifest(
+    directory: Path | str, wanted: Wanted = None, *, sizes: bool = True, sha256: bool = False
+) -> Manifest | None:
+    """``directory``'s manifest when the directory is current, else None.
+
+    Current: the manifest reads and checks (a missing or broken one is not current); it is
+    the one ``wanted`` - an identity (equal), a manifest (the same digest: that identity and
+    those files), a predicate on the manifest, or None (any); with ``sizes`` the directory
+    holds exactly its files at their sizes (`files_match`); with ``sha256`` also every file
+    hashes as listed (after the size check when both are asked).
+    """
+    try:
+        manifest = read_manifest(directory)
+    except ManifestError:
+        return None
+    if not _is_wanted(manifest, wanted):
+        return None
+    if sizes and not files_match(directory, manifest):
+        return None
+    if sha256 and not files_match(directory, manifest, sha256=True):
+        return None
+    return manifest
+
+
+def is_current(directory: Path | str, wanted: Wanted = None, *, sizes: bool = True, sha256: bool = False) -> bool:
+    """Whether ``directory`` is current (`current_manifest`); the skip test of every prepare step."""
+    return current_manifest(directory, wanted, sizes=sizes, sha256=sha256) is not None

@@ -317,18 +317,3 @@ def render_profiles_table(directory: Path = PROFILES_DIR) -> str:
             f"{spec_text} | {', '.join(f'`{i}`' for i in p.model_ids)} |"
         )
     return "\n".join(rows) + "\n"
-
-
-def _cmd_profiles(args) -> int:
-    if args.action == "table":
-        print(render_profiles_table(), end="")
-    else:
-        for name in profile_names():
-            print(f"{name}: {load_profile(name).description}")
-    return 0
-
-
-def register(subparsers) -> None:
-    parser = subparsers.add_parser("profiles", help="list the profiles, or print the README profile table")
-    parser.add_argument("action", nargs="?", choices=["list", "table"], default="list")
-    parser.set_defaults(func=_cmd_profiles)

@@ -32,6 +32,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from core.errors import StackError
+from core.settings import load_settings
+
 PLAIN_EVERY_S = 20.0  # without a terminal, a progress line this often
 FINAL_AFTER_S = 2.0  # a step at least this long ends with a closing line
 WATCH_POLL_S = 1.0  # how often `watching` reads the size of the file being written
@@ -64,9 +67,6 @@ def current_level() -> str:
 
 
 def _setting() -> str:
-    from core.errors import StackError
-    from core.settings import load_settings
-
     try:
         return str(load_settings().log_level).lower()
     except StackError:

@@ -227,7 +227,8 @@ class ShardWriter:
 
     ``write(name, data)`` appends to a tensor front to back; ``write_at(name, offset, data)``
     places a disjoint piece anywhere in it (thread-safe: pieces of one tensor may come from
-    several workers). ``finish()`` refuses a file with a tensor not fully written.
+    several workers); pieces other processes wrote at ``offset(name)`` are counted with
+    ``record``. ``finish()`` refuses a file with a tensor not fully written.
     """
 
     def __init__(
@@ -265,6 +266,17 @@ class ShardWriter:
         self._pwrite(view, self._offsets[name] + offset)
         with self._lock:
             self._written[name] += len(view)
+
+    def offset(self, name: str) -> int:
+        """The absolute file offset of tensor ``name``'s first byte (for a writer in another process)."""
+        return self._offsets[name]
+
+    def record(self, name: str, nbytes: int) -> None:
+        """Count ``nbytes`` of tensor ``name`` written at `offset` by another process."""
+        if nbytes < 0 or self._written[name] + nbytes > self._specs[name].nbytes:
+            raise ValueError(f"{name}: {nbytes} more bytes overflow {self._specs[name].nbytes}")
+        with self._lock:
+            self._written[name] += nbytes
 
     def finish(self) -> None:
         short = [n for n, s in self._specs.items() if self._written[n] != s.nbytes]

@@ -8,7 +8,6 @@ Unknown keys in ``.env``, out-of-range values and conflicting knobs fail with on
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import io
 import ipaddress
@@ -24,7 +23,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.errors import SettingsError
-from core.profiles import MAX_SHUTDOWN_TIMEOUT_S, PROFILES_DIR, SHUTDOWN_MARGIN_S
+from core.profiles import MAX_SHUTDOWN_TIMEOUT_S, PROFILES_DIR, SHUTDOWN_MARGIN_S, load_profile, profile_names
 
 SECTIONS = {
     "serving": "What to serve and where",
@@ -390,8 +389,6 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _known_profile(self) -> Settings:
-        from core.profiles import profile_names
-
         names = profile_names(self.profiles_dir)
         if self.profile not in names:
             raise ValueError(
@@ -504,7 +501,6 @@ def load_settings(env_file: str | os.PathLike | None = ".env", **overrides: Any)
 
 def load_settings_profile(settings: Settings):
     """The profile the settings name, from the settings' profiles directory."""
-    from core.profiles import load_profile
 
     return load_profile(settings.profile, settings.profiles_dir)
 
@@ -595,6 +591,13 @@ def read_api_key(settings: Settings | _KeySettings) -> SecretStr | None:
     return None
 
 
+def load_serving(profile: str | None = None):
+    """What a command about one served profile starts from: the profile (``profile``, or the
+    PROFILE setting), the settings and the API key (`read_api_key`)."""
+    settings = load_settings(profile=profile)
+    return load_settings_profile(settings), settings, read_api_key(settings)
+
+
 def client_api_key(
     key: str | None = None,
     key_file: str | os.PathLike | None = None,
@@ -671,24 +674,3 @@ def masked(settings: Settings) -> dict[str, Any]:
             value = str(value)
         out[_env_name(name)] = value
     return out
-
-
-def _cmd_settings(args: argparse.Namespace) -> int:
-    if args.action == "example":
-        print(render_env_example(), end="")
-    elif args.action == "table":
-        print(render_settings_table(), end="")
-    else:
-        print(json.dumps(masked(load_settings()), indent=2))
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "settings",
-        help="show the effective settings, or generate .env.example / the settings table",
-        description="Show the effective settings (secrets masked), or print the generated "
-        ".env.example or the settings table (docs/settings.md).",
-    )
-    parser.add_argument("action", nargs="?", choices=["show", "example", "table"], default="show")
-    parser.set_defaults(func=_cmd_settings)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from entrypoint.auth import ASGIApp, ApiKeyGuard, Message, Receive, Scope, Send
+from entrypoint.auth import ApiKeyGuard, ASGIApp, Message, Receive, Scope, Send
 from entrypoint.drain import ShutdownDrain
 
 API_KEY_ENV = "QWEN38_API_KEY"

@@ -16,6 +16,8 @@ from typing import Any
 
 import httpx
 
+from entrypoint.asgi import INSTANCE_HEADER
+
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=30.0, pool=30.0)
 
 # vLLM's counters that the watchdog, `qwen38 status` and the benchmarks read (short name ->
@@ -142,7 +144,6 @@ class StackClient:
 
     def instance(self) -> str | None:
         """The ``x-qwen38-instance`` id the server answers /health with (None: none, or down)."""
-        from entrypoint.asgi import INSTANCE_HEADER
 
         try:
             return self._http.get("/health", timeout=5.0).headers.get(INSTANCE_HEADER)

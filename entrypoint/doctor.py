@@ -20,7 +20,6 @@ A blocker exits non-zero; warnings do not. The image runs it before launch with
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from collections.abc import Mapping
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 
 from core.errors import StackError
 from core.profiles import Profile
+from entrypoint.launch import check_allocator, check_multi_host
 from entrypoint.toolchain import Runner, check_toolchain, jit_cuda_home, run_command, torch_cuda_version
 from entrypoint.topology import TopologyError, link_between, parse_topology, read_topology
 
@@ -166,7 +166,7 @@ def diagnose(
     """Every check for ``profile`` on this machine (I/O through ``run`` and the paths).
 
     ``resolved`` is the engine as the settings resolve it on this host (its GPUs, pool and
-    parallelism: `entrypoint.launch.resolve_on_this_host`); ``environ`` the environment the
+    parallelism: `entrypoint.resolve.resolve_on_this_host`); ``environ`` the environment the
     engine inherits (default: this process's)."""
     environ = os.environ if environ is None else environ
     findings: list[Finding] = []
@@ -259,7 +259,6 @@ def _gpus_of_one_host(
     findings.append(_processes(run))
     indices = [g.index for g in chosen]
     findings += _link_findings(resolved, indices, run)
-    from entrypoint.resolve import check_allocator
 
     try:
         check_allocator(resolved, environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
@@ -312,7 +311,6 @@ def _link_findings(resolved: ResolvedEngine, indices: list[int], run: Runner) ->
 
 def _hosts_link(resolved: ResolvedEngine, run: Runner, sys_root: Path) -> list[Finding]:
     """This host's side of a multi-host profile's link: its knobs, interface, address, RDMA devices."""
-    from entrypoint.resolve import check_multi_host
 
     par = resolved.parallel
     assert par is not None
@@ -376,33 +374,3 @@ def weights_size(settings, profile: Profile) -> int:
             if directory.is_dir():
                 total += directory_size(directory)
     return total
-
-
-def _cmd_doctor(args: argparse.Namespace) -> int:
-    from core.settings import load_settings, load_settings_profile
-    from entrypoint.launch import resolve_on_this_host
-
-    settings = load_settings(profile=args.profile)
-    profile = load_settings_profile(settings)
-    findings = diagnose(
-        profile,
-        resolve_on_this_host(profile, settings),
-        cache_dir=settings.cache_dir,
-        weights_bytes=weights_size(settings, profile),
-    )
-    for finding in findings:
-        print(finding.line())
-    blockers = [f for f in findings if f.level == "blocker"]
-    if blockers and not args.warn_only:
-        raise StackError(f"{len(blockers)} blocker(s) for profile {profile.name}: {blockers[0].detail}")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "doctor",
-        help="check this machine for a profile (GPU, driver, CUDA, memory, other processes, JIT toolchain, cache)",
-    )
-    parser.add_argument("--profile", help="profile to check for (default: the PROFILE setting)")
-    parser.add_argument("--warn-only", action="store_true", help="report blockers without failing (image start)")
-    parser.set_defaults(func=_cmd_doctor)

@@ -7,13 +7,12 @@ dashboard from `entrypoint.dashboard`; editing them by hand is a drift the tests
 
 from __future__ import annotations
 
-import argparse
 import re
 from pathlib import Path
 
 from core.errors import StackError
 from core.profiles import render_profiles_table
-from core.settings import render_env_example
+from core.settings import render_env_example, render_settings_table
 from entrypoint.dashboard import DASHBOARD_PATH, dashboard_json
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,8 +23,6 @@ SETTINGS_DOC = REPO / "docs" / "settings.md"
 
 def generated_sections(path: Path) -> dict[str, str]:
     """The generated blocks of one document (README.md or docs/settings.md), by marker name."""
-    from core.settings import render_settings_table
-
     if path == SETTINGS_DOC:
         return {"settings-table": render_settings_table()}
     return {"profiles-table": render_profiles_table()}
@@ -45,27 +42,16 @@ def render_readme(text: str) -> str:
     return render_generated(REPO / "README.md", text)
 
 
-def _cmd_docs(args: argparse.Namespace) -> int:
-    targets = {
+def generated_targets() -> dict[Path, str]:
+    """Every file `qwen38 docs` derives from the code -> the content it should have."""
+    return {
         REPO / ".env.example": render_env_example(),
         REPO / "README.md": render_readme((REPO / "README.md").read_text()),
         SETTINGS_DOC: render_generated(SETTINGS_DOC, SETTINGS_DOC.read_text()),
         DASHBOARD_PATH: dashboard_json(),
     }
-    stale = [path for path, content in targets.items() if not path.is_file() or path.read_text() != content]
-    if args.check:
-        if stale:
-            raise StackError(f"generated docs are stale: {', '.join(p.name for p in stale)}; run `qwen38 docs`")
-        print("generated docs are up to date")
-        return 0
-    for path in stale:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(targets[path])
-        print(f"updated {path.name}")
-    return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("docs", help="regenerate .env.example, the settings and profiles tables and the Grafana dashboard")
-    parser.add_argument("--check", action="store_true", help="fail if they are stale instead of writing")
-    parser.set_defaults(func=_cmd_docs)
+def stale_targets(targets: dict[Path, str]) -> list[Path]:
+    """The files of ``targets`` missing or with other content than generated."""
+    return [path for path, content in targets.items() if not path.is_file() or path.read_text() != content]

@@ -23,16 +23,15 @@ then fail to build it, since an image cannot be tagged with a digest.)
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core.errors import ImageError
+from core.profiles import load_profile, profile_names
+from prepare.dependency_lock import get_target, parse_lock
 
 if TYPE_CHECKING:
     from core.profiles import Profile
@@ -81,8 +80,6 @@ def get_image(name: str) -> ImageSpec:
 
 
 def _profiles(spec: ImageSpec) -> list[Profile]:
-    from core.profiles import load_profile, profile_names
-
     return [p for p in (load_profile(name) for name in profile_names()) if p.machine == spec.machine]
 
 
@@ -100,8 +97,6 @@ def cuda_arch_list(spec: ImageSpec) -> str:
 
 
 def locked_engine_version(spec: ImageSpec) -> str:
-    from prepare.dependency_lock import get_target, parse_lock
-
     target = get_target(spec.lock_target)
     locked = parse_lock(target.lock_path.read_text(), target.lock_path.name)
     try:
@@ -189,72 +184,3 @@ def pin_compose_image(compose_text: str, spec: ImageSpec, reference: str) -> str
 def unpin_compose_image(compose_text: str, spec: ImageSpec) -> str:
     """``compose_text`` with ``spec``'s default back to the local tag: compose builds it (pure)."""
     return _set_compose_default(compose_text, spec, local_tag(spec))
-
-
-# ---- commands ------------------------------------------------------------------------------
-
-
-def _cmd_build_args(args: argparse.Namespace) -> int:
-    spec = get_image(args.image)
-    values = build_args(spec, args.revision or source_revision())
-    if args.format == "json":
-        tag = published_tag(spec, values["IMAGE_VERSION"])
-        print(
-            json.dumps(
-                {"dockerfile": spec.dockerfile, "platform": spec.platform, "tag": tag, "build_args": values}, indent=2
-            )
-        )
-    elif args.format == "env":
-        for key, value in values.items():
-            print(f"{key}={value}")
-    else:
-        print(" ".join(f"--build-arg {shlex.quote(f'{key}={value}')}" for key, value in values.items()))
-    return 0
-
-
-def _cmd_pin(args: argparse.Namespace) -> int:
-    from core.atomic import atomic_write_text
-
-    spec = get_image(args.image)
-    path = Path(args.compose)
-    text = path.read_text()
-    new = pin_compose_image(text, spec, args.reference)
-    if new == text:
-        print(f"{path.name}: {spec.name} already pins {args.reference}")
-        return 0
-    before = compose_default(text, spec)
-    atomic_write_text(path, new)
-    was = f"pulled {before}" if is_pinned(before) else f"built locally as {before}"
-    print(f"{path.name}: {spec.name} now pulls {args.reference} (was: {was})")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "image",
-        help="container images: label build arguments, compose digest pins",
-        description="The images' derived build arguments (labels), and the digests compose.yaml pulls.",
-    )
-    actions = parser.add_subparsers(dest="image_action", metavar="ACTION", required=True)
-
-    args = actions.add_parser(
-        "build-args",
-        help="the --build-arg values that fill an image's labels",
-        description="vLLM version (from the lock), patch-set sha256, CUDA arch list (from the profiles), "
-        "source revision and version, as docker build arguments.",
-    )
-    args.add_argument("image", choices=list(IMAGES), help="which image")
-    args.add_argument("--revision", help="git commit the image is built from (default: HEAD)")
-    args.add_argument("--format", choices=["docker", "env", "json"], default="docker")
-    args.set_defaults(func=_cmd_build_args)
-
-    pin = actions.add_parser(
-        "pin",
-        help="make compose.yaml pull this pushed image by default",
-        description="Rewrite the default of ${IMAGE_<NAME>:-...} in compose.yaml (the local tag compose "
-        "builds while nothing is published, or an earlier pin) to REPOSITORY:TAG@sha256:DIGEST.",
-    )
-    pin.add_argument("image", choices=list(IMAGES), help="which image")
-    pin.add_argument("reference", help="REPOSITORY:TAG@sha256:DIGEST of the pushed image")
-    pin.add_argument("--compose", default=str(COMPOSE_PATH), help=argparse.SUPPRESS)
-    pin.set_defaults(func=_cmd_pin)

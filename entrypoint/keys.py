@@ -6,7 +6,6 @@ one random word, mode 0600, written atomically; an existing key is kept.
 
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
 from pathlib import Path
@@ -42,18 +41,3 @@ def init_key_file(path: Path) -> bool:
         os.umask(old_umask)
     path.chmod(0o600)
     return True
-
-
-def _cmd_key(args: argparse.Namespace) -> int:
-    path = Path(args.file)
-    created = init_key_file(path)
-    print(f"{'created' if created else 'kept'} API key file {path.absolute()} (set API_KEY_FILE={path})")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("key", help="create the API key file (never printed)")
-    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    init = actions.add_parser("init", help="create a random key file unless one exists")
-    init.add_argument("--file", default=str(DEFAULT_KEY_FILE), help=f"key file (default {DEFAULT_KEY_FILE})")
-    init.set_defaults(func=_cmd_key)

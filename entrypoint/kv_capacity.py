@@ -43,32 +43,15 @@ CUDA_BACKEND_PRIORITY = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENT
 
 
 def plan_request(request: dict[str, Any]) -> dict[str, Any]:
-    """Answer one planning request (see `entrypoint.plan` for its fields)."""
+    """Answer one planning request (`entrypoint.plan.build_request` makes it)."""
     _emulate_cuda(request["platform"] == "cuda")
 
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
 
-    engine = request["engine"]
-    kwargs: dict[str, Any] = dict(
-        model=request["target_dir"],
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        max_model_len=engine["max_model_len"],
-        max_num_seqs=engine["max_num_seqs"],
-        max_num_batched_tokens=engine["max_num_batched_tokens"],
-        kv_cache_memory_bytes=engine["kv_cache_memory_bytes"],
-        enable_prefix_caching=engine["enable_prefix_caching"],
-        kv_cache_dtype=engine["kv_cache_dtype"],
-        mamba_ssm_cache_dtype=engine["mamba_ssm_cache_dtype"],
-        dtype=engine["dtype"],
-        # Each GPU holds 1/TP of the KV heads and of the GDN state: vLLM's per-GPU specs follow.
-        tensor_parallel_size=engine.get("tensor_parallel_size", 1),
-    )
-    if engine.get("block_size"):
-        kwargs["block_size"] = engine["block_size"]
-    if request.get("speculative"):
-        kwargs["speculative_config"] = request["speculative"]
+    # vLLM's arguments for the engine, as the launch gives them (`entrypoint.engine_args`); the
+    # weights are never read (a config-only copy of the model) and no tokenizer is needed.
+    kwargs: dict[str, Any] = {**request["engine_args"], "load_format": "dummy", "skip_tokenizer_init": True}
     config = EngineArgs(**kwargs).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
     backend, backend_name = _select_backend(request, config)
@@ -186,12 +169,7 @@ def _layer_specs(config, backend, drafter_backend) -> dict[str, Any]:
     from vllm.model_executor.models import ModelRegistry
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        MambaSpec,
-        SlidingWindowSpec,
-        get_kv_quant_mode,
-    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec, get_kv_quant_mode
 
     model = config.model_config
     cache = config.cache_config

@@ -1,15 +1,8 @@
 """What one start of `qwen38 serve` owns on disk and in the process table, and how a later
 start recognises (and removes) what a killed one left behind.
 
-Run files, in ``CACHE_DIR/run/`` (`entrypoint.launch.run_dir`):
-
-- ``<profile>.lock``: an exclusive ``flock`` the supervisor holds for its whole life. A
-  second start for the same profile and cache refuses; the kernel drops the lock when the
-  supervisor dies, even by SIGKILL, so a held lock always means a live supervisor.
-- ``<profile>.run.json``: this start's instance id, the supervisor's and the engine's pid
-  and kernel start time.
-- ``<profile>.status.json``: the readiness verdict (`entrypoint.ready`); removed before
-  anything else at every start, so a failed launch never leaves an old ``ready: true``.
+Its files in ``CACHE_DIR/run/`` are named in `entrypoint.run_files`: the run lock this module
+takes (`RunLock`) and the run record it writes and reads (`RunRecord`).
 
 The instance id is random per start. It is in the engine's environment, which every process
 vLLM forks or spawns inherits, and in the ``x-qwen38-instance`` header of every answer. A live
@@ -32,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from core.atomic import atomic_write_text
 from core.errors import LaunchError
 from entrypoint.asgi import INSTANCE_ENV
 
@@ -40,14 +34,6 @@ LEFTOVER_EXIT_WAIT_S = 10.0
 
 def new_instance() -> str:
     return secrets.token_hex(8)
-
-
-def lock_path(run_dir: Path, profile: str) -> Path:
-    return run_dir / f"{profile}.lock"
-
-
-def record_path(run_dir: Path, profile: str) -> Path:
-    return run_dir / f"{profile}.run.json"
 
 
 # ---- /proc ------------------------------------------------------------------------------
@@ -186,8 +172,6 @@ class RunRecord:
     address: str
 
     def write(self, path: Path) -> None:
-        from core.atomic import atomic_write_text
-
         atomic_write_text(path, json.dumps(asdict(self), indent=2) + "\n")
 
 

@@ -4,17 +4,21 @@ A model's shapes come from the served directory's config.json when it exists, el
 the config-only copy in ``profiles/model-configs/<artifact>/`` (so a GPU profile can be
 planned on a machine that never downloaded its 20 GB). The planner hands vLLM a copy
 without the weight quantization (it does not change the KV cache), and the plan cache key
-hashes the text read here.
+hashes the text read here. `check_model_limits` refuses, from the same config.json, values
+the model itself cannot take (a context above its position limit) before anything as slow
+as vLLM is started.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.errors import PlanError
+from core.checkpoint import text_config
+from core.errors import PlanError, ProfileError, SettingsError
 from core.profiles import PROFILES_DIR, ModelSlot, Profile
 from entrypoint.resolve import ResolvedEngine
 
@@ -88,3 +92,42 @@ def shape_only_copy(config: ModelConfig, dest: Path) -> str:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
     return str(dest)
+
+
+# ---- what the model itself allows (from its config.json; pure) -------------------------
+
+
+def max_positions(config: Mapping[str, Any]) -> int | None:
+    """The longest context the model's position encoding is declared for, or None if the
+    config does not say. vLLM derives its own limit (and refuses above it); this bound is
+    never below vLLM's: the declared positions times the largest RoPE scaling factor."""
+    text = text_config(config)
+    positions = [text.get("max_position_embeddings")]
+    factor = 1.0
+    for key in ("rope_parameters", "rope_scaling"):
+        params = text.get(key)
+        if not isinstance(params, Mapping):
+            continue
+        nested = params.values() if all(isinstance(v, Mapping) for v in params.values()) and params else [params]
+        for entry in nested:
+            factor = max(factor, float(entry.get("factor") or 1.0))
+            positions.append(entry.get("original_max_position_embeddings"))
+    known = [int(p) for p in positions if isinstance(p, int) and p > 0]
+    return int(max(known) * factor) if known else None
+
+
+def check_model_limits(
+    resolved: ResolvedEngine,
+    target: Mapping[str, Any],
+    *,
+    target_source: str = "the target's config.json",
+) -> None:
+    """Refuse, in one line, what the models cannot run, before any planning."""
+    limit = max_positions(target)
+    allow_long = (resolved.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") or "").lower() in ("1", "true")
+    if limit is not None and resolved.max_model_len > limit and not allow_long:
+        error = SettingsError if "max_model_len" in resolved.overridden else ProfileError
+        raise error(
+            f"{resolved.origin('max_model_len')}: above the {limit:,} positions the model is made for "
+            f"({target_source}); use at most {limit:,}"
+        )

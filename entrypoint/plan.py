@@ -25,7 +25,6 @@ the first's answer.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -41,15 +40,20 @@ from typing import Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from core.atomic import atomic_write_text
 from core.errors import PlanError, StackError
+from core.identity import digest_of
 from core.profiles import Profile
 from core.settings import Settings
 from entrypoint.compile_cache import vllm_cache_root
-from entrypoint.model_configs import ModelConfigs, read_model_configs, shape_only_copy
-from entrypoint.resolve import ResolvedEngine, check_model_limits, resolve
+from entrypoint.engine_args import planned_engine_args
+from entrypoint.model_configs import ModelConfigs, check_model_limits, read_model_configs, shape_only_copy
+from entrypoint.patches import SERIES_DIR, check_series, find_vllm_dir, installed_vllm, series_fingerprint, series_tree
+from entrypoint.resolve import ResolvedEngine, resolve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PLANNER_CODE = (Path(__file__).with_name("kv_capacity.py"),)
+# The planner's own code: the child that asks vLLM, and where its request's vLLM arguments come from.
+PLANNER_CODE = (Path(__file__).with_name("kv_capacity.py"), Path(__file__).with_name("engine_args.py"))
 PLAN_TIMEOUT_S = 600
 
 Variant = Literal["patched", "stock"]
@@ -226,43 +230,23 @@ def check_plannable(resolved: ResolvedEngine, configs: ModelConfigs) -> None:
 
 
 def build_request(resolved: ResolvedEngine, configs: ModelConfigs, workdir: Path) -> dict:
-    """The JSON request `entrypoint.kv_capacity` answers for one resolved engine."""
+    """The JSON request `entrypoint.kv_capacity` answers for one resolved engine: vLLM's own
+    arguments for it (`entrypoint.engine_args.planned_engine_args`), and where it will run."""
     check_plannable(resolved, configs)
     cuda = resolved.platform == "cuda"
-    request = {
+    drafter = shape_only_copy(configs.drafter, workdir / "drafter") if configs.drafter is not None else None
+    return {
         "platform": resolved.platform,
         "device_capability": list(machine_of(resolved).capability) if cuda else None,
-        "engine": {
-            "max_model_len": resolved.max_model_len,
-            "max_num_seqs": resolved.max_num_seqs,
-            "max_num_batched_tokens": batched_tokens(resolved),
-            "kv_cache_memory_bytes": resolved.kv_cache_memory_bytes,
-            "enable_prefix_caching": resolved.enable_prefix_caching,
-            "kv_cache_dtype": resolved.kv_cache_dtype,
-            "mamba_ssm_cache_dtype": resolved.mamba_ssm_cache_dtype,
-            "dtype": resolved.dtype,
-            "block_size": resolved.block_size,
-            "tensor_parallel_size": resolved.parallel.tensor_parallel_size if resolved.parallel else 1,
-        },
-        "target_dir": shape_only_copy(configs.target, workdir / "target"),
-        "speculative": None,
+        "engine_args": planned_engine_args(
+            resolved,
+            target=shape_only_copy(configs.target, workdir / "target"),
+            drafter=drafter,
+            batched_tokens=batched_tokens(resolved),
+        ),
         "attention_backend": resolved.attention_backend,
         "env": resolved.env,
     }
-    spec = resolved.speculative
-    if spec is not None:
-        # Lookup drafting widens the verify block: every slot keeps state and KV for
-        # drafter depth + lookup tokens. The KV arithmetic needs only the total width,
-        # so stock and patched trees plan the same request.
-        speculative: dict = {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
-        if spec.draft_sample_method:
-            speculative["draft_sample_method"] = spec.draft_sample_method
-        if spec.attention_backend:
-            speculative["attention_backend"] = spec.attention_backend
-        if configs.drafter is not None:
-            speculative["model"] = shape_only_copy(configs.drafter, workdir / "drafter")
-        request["speculative"] = speculative
-    return request
 
 
 # ---- the installed tree ----------------------------------------------------------------
@@ -282,8 +266,6 @@ class Tree:
 
 
 def installed_tree(vllm_dir: Path | None = None, series_dir: Path | None = None) -> Tree:
-    from entrypoint.patches import SERIES_DIR, check_series, find_vllm_dir
-
     series_dir = series_dir or SERIES_DIR
     vllm_dir = Path(vllm_dir) if vllm_dir else find_vllm_dir()
     statuses = check_series(vllm_dir, series_dir)
@@ -314,7 +296,6 @@ def _run_variant(requests: list[dict], tree: Tree, variant: Variant, workdir: Pa
     path = [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env.pop("PYTHONPYCACHEPREFIX", None)  # the installed tree's bytecode is what makes the import cheap
     if tree.state != variant:
-        from entrypoint.patches import series_tree
 
         try:
             view = series_tree(tree.vllm_dir, workdir / f"tree-{variant}", patched=variant == "patched",
@@ -357,9 +338,6 @@ def plan_cache_key(resolved: ResolvedEngine, configs: ModelConfigs, tree: Tree) 
     """Everything a plan depends on: the resolved engine (minus `PLAN_IGNORED`), the model
     configs it reads, the patch series and the state of the installed tree, the vLLM
     version and the planner's code."""
-    from core.identity import digest_of
-    from entrypoint.patches import series_fingerprint
-    from entrypoint.verify import installed_vllm
 
     return digest_of(
         {
@@ -447,7 +425,6 @@ def plan_engines(
 ) -> list[Plan]:
     """Plan several resolved engines with at most one vLLM process per version of the
     tree, and none for answers already in ``cache_dir`` (new answers are kept there)."""
-    from core.atomic import atomic_write_text
 
     tree = tree or installed_tree()
     servings = [tree.serving(resolved) for resolved, _ in items]
@@ -516,80 +493,3 @@ def plan_profile(
     configs = read_model_configs(profile, resolved, settings.models_dir)
     check_plannable(resolved, configs)
     return plan_engines([(resolved, configs)], compare=compare, cache_dir=cache_dir, tree=tree)[0]
-
-
-# ---- CLI --------------------------------------------------------------------------
-
-
-def _mib(value: int | None) -> str:
-    return "-" if value is None else f"{value / (1 << 20):,.1f} MiB"
-
-
-def render_plan(plan: Plan) -> str:
-    spec = f"speculation {plan.speculative_tokens} tokens" if plan.speculative_tokens else "no speculation"
-    lines = [
-        f"profile {plan.profile}: {plan.max_model_len:,}-token context, {plan.max_num_seqs} slots, "
-        f"KV pool {plan.pool_bytes:,} B"
-        + (f" per GPU x {plan.tensor_parallel_size} GPUs" if plan.tensor_parallel_size > 1 else "")
-        + f", prefix caching {'on' if plan.prefix_caching else 'off'}, {spec}"
-        + (" (plan reused)" if plan.reused else ""),
-    ]
-    order = ["patched", "stock"] if plan.patched else ["stock", "patched"]
-    for name in [n for n in order if n in plan.variants]:
-        cap = plan.variants[name]
-        serving = " (serves)" if (name == "patched") == plan.patched else ""
-        lines.append(f"  {name} vLLM 0.28.0{serving}:")
-        if cap.layout_error:
-            lines.append(f"    no page layout: {cap.layout_error}")
-            continue
-        lines += [
-            f"    pool tokens        {cap.pool_tokens:,}  (max concurrency {cap.max_concurrency:.2f}x "
-            f"at {cap.max_model_len:,} tokens)",
-            f"    blocks             {cap.num_blocks:,} x {cap.block_size} tokens, {cap.group_size} layers "
-            f"per group, {_mib(cap.bytes_per_block)} per block",
-            f"    per request        {cap.blocks_per_request_at_max_len} blocks at max context "
-            f"({cap.blocks_per_request_at_peak} while it runs), {cap.blocks_per_request_minimum} at least; "
-            f"state {_mib(cap.state_bytes_per_request)}, "
-            f"drafter window {_mib(cap.window_bytes_per_request)}, "
-            f"{(cap.context_bytes_per_token or 0) / 1024:,.1f} KiB per context token",
-            f"    slots resident     {cap.slots_resident} of {cap.max_num_seqs} (short requests), "
-            f"{cap.slots_resident_with_max_context} with one at max context",
-            f"    backend            {cap.backend}"
-            + (f", drafter {cap.drafter_backend}" if cap.drafter_backend else ""),
-            f"    max context fits   {'yes' if cap.fits else 'NO'}"
-            + ("" if cap.fits else f" (fits up to {cap.max_model_len_that_fits:,} tokens)")
-            + f"; with all slots busy: {'yes' if cap.fits_with_all_slots_busy else 'no'}",
-        ]
-    return "\n".join(lines)
-
-
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from core.settings import load_settings, load_settings_profile
-
-    settings = load_settings(profile=args.profile)
-    profile = load_settings_profile(settings)
-    plan = plan_profile(
-        profile, settings, compare=not args.no_compare, cache_dir=None if args.no_cache else settings.cache_dir
-    )
-    if args.json:
-        print(plan.model_dump_json(indent=2))
-    else:
-        print(render_plan(plan))
-    if not plan.fits:
-        raise PlanError(plan.refusal_line())
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "plan",
-        help="compute the KV pool, slots and max context of a profile with vLLM's own functions",
-        description="Ask vLLM 0.28.0's KV-cache functions whether the profile's max context fits its "
-        "KV pool, with and without our patches. Exits non-zero when it does not fit. Answers are "
-        "reused from CACHE_DIR/plan while nothing they depend on changed.",
-    )
-    parser.add_argument("--profile", help="profile name (default: PROFILE from the settings)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.add_argument("--no-compare", action="store_true", help="only plan the engine that will serve")
-    parser.add_argument("--no-cache", action="store_true", help="compute afresh; do not read or write CACHE_DIR/plan")
-    parser.set_defaults(func=_cmd_plan)

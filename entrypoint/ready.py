@@ -18,7 +18,6 @@ status current: a stalled engine or a failed canary turns it to ``ready: false``
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -30,6 +29,7 @@ from typing import Callable
 import httpx
 from pydantic import SecretStr
 
+from core.atomic import atomic_write_text
 from core.errors import ReadinessError
 from core.profiles import Profile
 from core.progress import say
@@ -38,6 +38,7 @@ from entrypoint.canary import ask_canary
 from entrypoint.client import StackClient
 from entrypoint.engine_output import FIRST_PHASE, Heartbeat, StartPhase
 from entrypoint.lifecycle import is_running, port_answers, process_start_time
+from entrypoint.run_files import status_path
 
 
 @dataclass
@@ -158,17 +159,12 @@ def base_url_for(settings: Settings) -> str:
 
 
 def write_status(settings: Settings, profile_name: str, report: ReadyReport) -> None:
-    from core.atomic import atomic_write_text
-    from entrypoint.launch import status_path
-
-    atomic_write_text(status_path(settings, profile_name), json.dumps(asdict(report), indent=2) + "\n")
+    atomic_write_text(status_path(settings.cache_dir, profile_name), json.dumps(asdict(report), indent=2) + "\n")
 
 
 def read_status(settings: Settings, profile_name: str) -> dict | None:
-    from entrypoint.launch import status_path
-
     try:
-        return json.loads(status_path(settings, profile_name).read_text())
+        return json.loads(status_path(settings.cache_dir, profile_name).read_text())
     except (OSError, ValueError):
         return None
 
@@ -267,6 +263,7 @@ class Watcher:
         stop_engine: Callable[[str], None],
     ) -> None:
         """The watchdog after the gate: each change of its state rewrites the status."""
+        # only the gate's thread watches: the healthcheck (`ready --quick`) does not load the watchdog
         from entrypoint.watchdog import Watchdog, WatchdogConfig, WatchdogState
 
         def publish_state(state: WatchdogState) -> None:
@@ -280,60 +277,28 @@ class Watcher:
         dog.run(alive, stopping, stop_engine)
 
 
-# ---- command ---------------------------------------------------------------------------
+# ---- the container healthcheck -----------------------------------------------------------
 
 
-def _cmd_ready(args: argparse.Namespace) -> int:
-    from entrypoint.launch import load, status_path
-
-    profile, settings, key = load(args)
-    base_url = args.base_url or base_url_for(settings)
-    secret = key.get_secret_value() if key else None
-    if args.quick:
-        # The container healthcheck: the gate passed once, and the server still answers.
-        path = status_path(settings, profile.name)
-        try:
-            status = json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            raise ReadinessError(f"{path}: no readiness status yet (the gate has not finished)") from None
-        if not status.get("ready"):
-            if status.get("watchdog"):  # the gate passed; the watchdog found a problem since
-                raise ReadinessError(f"unhealthy: {status.get('error')}")
-            raise ReadinessError(f"readiness gate failed: {status.get('error')}")
-        if status.get("head"):  # a worker host serves no API: its head must still answer
-            address, _, port = status["head"].rpartition(":")
-            if not port_answers(address, int(port)):
-                raise ReadinessError(f"the head {status['head']} does not answer")
-            print("ready")
-            return 0
-        with StackClient(base_url, secret) as client:
-            if not client.health():
-                raise ReadinessError(f"{base_url}/health does not answer 200")
-            if status.get("instance"):
-                check_instance(client, status["instance"])  # still the server that passed the gate
-        print("ready")
-        return 0
+def healthcheck(profile: Profile, settings: Settings, base_url: str, secret: str | None) -> None:
+    """`qwen38 ready --quick`, the container healthcheck: the gate passed once (the status file
+    says so), and the server still answers, the very one that passed it. Raises `ReadinessError`."""
+    path = status_path(settings.cache_dir, profile.name)
+    try:
+        status = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        raise ReadinessError(f"{path}: no readiness status yet (the gate has not finished)") from None
+    if not status.get("ready"):
+        if status.get("watchdog"):  # the gate passed; the watchdog found a problem since
+            raise ReadinessError(f"unhealthy: {status.get('error')}")
+        raise ReadinessError(f"readiness gate failed: {status.get('error')}")
+    if status.get("head"):  # a worker host serves no API: its head must still answer
+        address, _, port = status["head"].rpartition(":")
+        if not port_answers(address, int(port)):
+            raise ReadinessError(f"the head {status['head']} does not answer")
+        return
     with StackClient(base_url, secret) as client:
-        report = run_gate(client, profile.served.base, profile.served.adapter, args.timeout)
-    if args.json:
-        print(json.dumps(asdict(report), indent=2))
-    else:
-        for check in report.checks:
-            print(f"ok  {check}")
-        print(f"ready: {base_url} in {report.seconds:.1f} s")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "ready",
-        help="run the readiness gate against a deployment",
-        description="Prove a deployment is ready: /health, every model id listed, a greedy canary, "
-        "and for LoRA profiles an adapter answer that differs from the base.",
-    )
-    parser.add_argument("--profile", help="profile whose ids to expect (default: the PROFILE setting)")
-    parser.add_argument("--base-url", help="server URL (default: from HOST and PORT)")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for /health")
-    parser.add_argument("--quick", action="store_true", help="healthcheck: recorded gate result + /health")
-    parser.add_argument("--json", action="store_true")
-    parser.set_defaults(func=_cmd_ready)
+        if not client.health():
+            raise ReadinessError(f"{base_url}/health does not answer 200")
+        if status.get("instance"):
+            check_instance(client, status["instance"])  # still the server that passed the gate

@@ -11,25 +11,31 @@ the planner counted a drafter the launch left off). Knobs that conflict raise on
 vLLM's own `compute_hash` does: a field added here is part of every cache key unless an
 ignore list says why it is not.
 
-`check_model_limits` refuses values the model itself cannot take (a context above its
-position limit) from its config.json, before anything as slow as vLLM is started. Everything here is pure.
+The resolution is pure but for what this host is asked: `resolve_on_this_host`, the one
+resolution of a command that starts or shows an engine here, reads the link between the
+profile's GPUs from nvidia-smi where that link decides something (`resolve`'s ``link_reader``).
+What only a launch refuses, or the models refuse, is checked where the launch
+(`entrypoint.launch`) and the models' configs (`entrypoint.model_configs`) are.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from core.checkpoint import text_config
-from core.errors import ProfileError, SettingsError
+from core.errors import SettingsError
 from core.profiles import Profile
 from core.settings import Settings
-from entrypoint.topology import LinkReading
+from entrypoint.toolchain import Runner, run_command
+from entrypoint.topology import LinkReading, TopologyError, read_link
+
+LinkReader = Callable[[str], "LinkReading | None"]  # CUDA_VISIBLE_DEVICES -> the link nvidia-smi reports
 
 # What the user can override, and the knob (environment name) that does it.
 KNOBS = {
@@ -240,25 +246,39 @@ def _devices(profile: Profile, settings: Settings) -> str | None:
     return settings.cuda_visible_devices
 
 
-def _link(profile: Profile, settings: Settings, detected: LinkReading | None) -> tuple[str, str]:
+def _link(
+    profile: Profile,
+    settings: Settings,
+    detected: LinkReading | None,
+    link_reader: LinkReader | None,
+    devices: str | None,
+) -> tuple[str, str]:
     """The link between the profile's GPUs and where that answer came from."""
     if profile.parallel.nodes > 1:
         return "network", f"{profile.parallel.nodes} hosts"
     if settings.gpu_link != "auto":
         return settings.gpu_link, f"GPU_LINK={settings.gpu_link}"
+    if detected is None and link_reader is not None and devices is not None:
+        detected = link_reader(devices)
     if detected is not None:
         return detected.kind, f"nvidia-smi topo -m: {detected.summary()}"
     return "pcie", "assumed PCIe (GPU_LINK=auto and nvidia-smi topo -m was not read)"
 
 
-def _parallel(profile: Profile, settings: Settings, detected: LinkReading | None) -> ResolvedParallel | None:
+def _parallel(
+    profile: Profile,
+    settings: Settings,
+    detected: LinkReading | None,
+    link_reader: LinkReader | None,
+    devices: str | None,
+) -> ResolvedParallel | None:
     par = profile.parallel
     if settings.node_rank >= par.nodes:
         where = "one host" if par.nodes == 1 else f"{par.nodes} hosts (ranks 0..{par.nodes - 1})"
         raise SettingsError(f"NODE_RANK={settings.node_rank}: profile {profile.name} runs on {where}; set NODE_RANK=0")
     if par.tensor_parallel_size == 1:
         return None
-    link, origin = _link(profile, settings, detected)
+    link, origin = _link(profile, settings, detected, link_reader, devices)
     if link == "network" and settings.custom_all_reduce:
         raise SettingsError(
             f"CUSTOM_ALL_REDUCE=true: profile {profile.name}'s GPUs are in {par.nodes} hosts; vLLM's custom "
@@ -266,7 +286,7 @@ def _parallel(profile: Profile, settings: Settings, detected: LinkReading | None
         )
     custom = settings.custom_all_reduce if settings.custom_all_reduce is not None else link == "nvlink"
     p2p = settings.nccl_p2p if settings.nccl_p2p is not None else link != "pcie"
-    multi_host = par.nodes > 1  # where the hosts meet: checked by `check_multi_host` before a launch
+    multi_host = par.nodes > 1  # where the hosts meet: checked by `entrypoint.launch.check_multi_host`
     return ResolvedParallel(
         tensor_parallel_size=par.tensor_parallel_size,
         nodes=par.nodes,
@@ -287,39 +307,19 @@ def _parallel(profile: Profile, settings: Settings, detected: LinkReading | None
     )
 
 
-def check_multi_host(resolved: ResolvedEngine) -> None:
-    """A multi-host engine needs the link's addresses and interface before it can start (the
-    planner does not: the KV arithmetic is the same wherever the hosts are)."""
-    par = resolved.parallel
-    if par is None or par.nodes == 1:
-        return
-    needed = [("HEAD_ADDRESS", par.head_address), ("NETWORK_INTERFACE", par.network_interface)]
-    if par.headless:  # the head's own address is HEAD_ADDRESS
-        needed.append(("NODE_ADDRESS", par.node_address))
-    missing = [knob for knob, value in needed if value is None]
-    if missing:
-        raise SettingsError(
-            f"profile {resolved.profile} runs on {par.nodes} hosts: set {', '.join(missing)} on "
-            f"{'this worker' if par.headless else 'the head'} (the link's addresses and interface; "
-            "`ip -br addr` lists them; docs/dual.md)"
-        )
-    if not par.headless and par.node_address != par.head_address:
-        raise SettingsError(
-            f"NODE_ADDRESS={par.node_address} on the head (NODE_RANK=0): the head's address is HEAD_ADDRESS="
-            f"{par.head_address}; unset NODE_ADDRESS here (it is the worker's own address)"
-        )
-    if par.headless and par.node_address == par.head_address:
-        raise SettingsError(
-            f"NODE_ADDRESS={par.node_address} on worker host {par.node_rank} is the head's address; set this "
-            "host's own address on the link"
-        )
-
-
-def resolve(profile: Profile, settings: Settings, detected_link: LinkReading | None = None) -> ResolvedEngine:
+def resolve(
+    profile: Profile,
+    settings: Settings,
+    detected_link: LinkReading | None = None,
+    *,
+    link_reader: LinkReader | None = None,
+) -> ResolvedEngine:
     """Apply the user's overrides to the profile; refuse ones it cannot honour (one line each).
 
     ``detected_link`` is what `nvidia-smi topo -m` reported between the profile's GPUs (read
-    at the edge, `entrypoint.topology`); with GPU_LINK=auto it picks the all-reduce defaults."""
+    at the edge, `entrypoint.topology`); with GPU_LINK=auto it picks the all-reduce defaults.
+    ``link_reader`` reads it where it was not given and decides something (one host, several
+    GPUs, GPU_LINK=auto): the edge's reader, `resolve_on_this_host`."""
     engine = profile.engine
     models_dir = Path(settings.models_dir)
     speculative = _speculative(profile, settings, models_dir)
@@ -354,6 +354,7 @@ def resolve(profile: Profile, settings: Settings, detected_link: LinkReading | N
         "shutdown_timeout": settings.shutdown_timeout,
     }
     max_num_seqs = settings.max_num_seqs or engine.max_num_seqs
+    devices = _devices(profile, settings)
     return ResolvedEngine(
         profile=profile.name,
         platform=profile.platform,
@@ -388,60 +389,24 @@ def resolve(profile: Profile, settings: Settings, detected_link: LinkReading | N
         extra={key.replace("_", "-"): value for key, value in engine.extra.items()},
         speculative=speculative,
         lora=lora,
-        devices=_devices(profile, settings),
-        parallel=_parallel(profile, settings, detected_link),
+        devices=devices,
+        parallel=_parallel(profile, settings, detected_link, link_reader, devices),
         env=dict(profile.env),
         overridden=tuple(name for name, value in overrides.items() if value is not None),
     )
 
 
-def check_allocator(resolved: ResolvedEngine, alloc_conf: str) -> None:
-    """Refuse PyTorch's expandable segments beside vLLM's custom all-reduce: it shares its
-    CUDA-graph buffers with cudaIpcGetMemHandle, which refuses that memory, and vLLM 0.28.0 does
-    not check (custom_all_reduce.py): the engine would die after graph capture."""
-    par = resolved.parallel
-    if par is not None and par.custom_all_reduce and "expandable_segments:True" in alloc_conf:
-        raise SettingsError(
-            f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf}: expandable segments cannot be shared by vLLM's custom "
-            f"all-reduce (profile {resolved.profile}, {par.link_origin}); drop expandable_segments:True or set "
-            "CUSTOM_ALL_REDUCE=false"
-        )
+def resolve_on_this_host(profile: Profile, settings: Settings, run: Runner | None = None) -> ResolvedEngine:
+    """`resolve`, once, with the link between the profile's GPUs as this host's nvidia-smi
+    reports it where it decides something (one-host multi-GPU profiles with GPU_LINK=auto; a
+    matrix that cannot be read counts as PCIe, the safe side, and says so). ``run`` runs
+    nvidia-smi (default: `run_command`)."""
 
+    def reading(devices: str) -> LinkReading | None:
+        try:
+            return read_link(devices, run or run_command)
+        except TopologyError as exc:
+            print(f"qwen38: topology: {exc}; assuming PCIe (set GPU_LINK to say)", file=sys.stderr)
+            return None
 
-# ---- what the model itself allows (from its config.json; pure) -------------------------
-
-
-def max_positions(config: Mapping[str, Any]) -> int | None:
-    """The longest context the model's position encoding is declared for, or None if the
-    config does not say. vLLM derives its own limit (and refuses above it); this bound is
-    never below vLLM's: the declared positions times the largest RoPE scaling factor."""
-    text = text_config(config)
-    positions = [text.get("max_position_embeddings")]
-    factor = 1.0
-    for key in ("rope_parameters", "rope_scaling"):
-        params = text.get(key)
-        if not isinstance(params, Mapping):
-            continue
-        nested = params.values() if all(isinstance(v, Mapping) for v in params.values()) and params else [params]
-        for entry in nested:
-            factor = max(factor, float(entry.get("factor") or 1.0))
-            positions.append(entry.get("original_max_position_embeddings"))
-    known = [int(p) for p in positions if isinstance(p, int) and p > 0]
-    return int(max(known) * factor) if known else None
-
-
-def check_model_limits(
-    resolved: ResolvedEngine,
-    target: Mapping[str, Any],
-    *,
-    target_source: str = "the target's config.json",
-) -> None:
-    """Refuse, in one line, what the models cannot run, before any planning."""
-    limit = max_positions(target)
-    allow_long = (resolved.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") or "").lower() in ("1", "true")
-    if limit is not None and resolved.max_model_len > limit and not allow_long:
-        error = SettingsError if "max_model_len" in resolved.overridden else ProfileError
-        raise error(
-            f"{resolved.origin('max_model_len')}: above the {limit:,} positions the model is made for "
-            f"({target_source}); use at most {limit:,}"
-        )
+    return resolve(profile, settings, link_reader=reading)

@@ -1,12 +1,14 @@
-"""`qwen38 serve`: the start-up flow of DESIGN.md, one step after the other.
+"""`qwen38 serve`: the start-up flow of docs/architecture.md, one step after the other.
 
 settings -> resolve -> verify -> plan -> launch -> ready gate. Each step lives in its own
 module; this one runs them in order, prints one line for what each proved, and stops at
-the first that fails (its `StackError`, one line). The engine is resolved once and every
-step reads that one resolution: the planner plans exactly what the launch runs.
+the first that fails (its `StackError`, one line). The engine is resolved once
+(`resolve_on_this_host`) and that one `ResolvedEngine` is handed down to every step: the
+planner plans exactly what the launch runs, and no step resolves it again.
 
-Cheap refusals come first: conflicting knobs (`resolve`) and values the models cannot
-take (`check_plannable`) are refused before a file is hashed. The launch is a supervisor
+Cheap refusals come first: conflicting knobs (`resolve`), what only a launch refuses
+(`entrypoint.launch.check_allocator`, `check_multi_host`) and values the models cannot take
+(`check_plannable`) are refused before a file is hashed. The launch is a supervisor
 (`entrypoint.supervise`): vLLM runs as its child, the readiness gate beside it, and SIGTERM
 stops every engine process within the drain plus a fixed margin. The child is started before
 verify and held until the plan passes, so that its import of vLLM (the largest part of a
@@ -15,22 +17,25 @@ start on a small machine) runs while the files are hashed and the plan is comput
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 from core.errors import PlanError
 from core.profiles import Profile
 from core.progress import say
-from core.settings import Settings
-from entrypoint.launch import load, render_invocation, resolve_on_this_host, write_run_files
+from core.settings import Settings, load_serving
+from entrypoint import ready
+from entrypoint.launch import check_allocator, render_invocation, write_run_files
 from entrypoint.model_configs import read_model_configs
 from entrypoint.plan import check_plannable, plan_engines
-from entrypoint.resolve import ResolvedEngine, check_allocator
+from entrypoint.resolve import ResolvedEngine, resolve_on_this_host
+from entrypoint.supervise import Supervisor, begin_start, check_interpreter
+from entrypoint.worker_gate import WorkerGate
 
 
 def run_preflight(profile: Profile, settings: Settings, resolved: ResolvedEngine) -> str:
     """Verify, then plan; returns the identity string verify computed (for the status)."""
+    # imported here, after the held engine's fork: it loads while the engine imports vLLM
     from entrypoint.verify import verify_profile
 
     try:  # values the models cannot take are refused before a file is hashed...
@@ -58,12 +63,13 @@ def run_preflight(profile: Profile, settings: Settings, resolved: ResolvedEngine
     return report.identity
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from entrypoint import ready
-    from entrypoint.supervise import Supervisor, begin_start, check_interpreter
+def serve_profile(profile_name: str | None = None, *, ready_gate: bool = True) -> int:
+    """`qwen38 serve`: the start-up flow for ``profile_name`` (default: the PROFILE setting),
+    then the supervisor's life; returns its exit code. Without ``ready_gate`` nothing proves
+    the server ready."""
 
     began = time.monotonic()
-    profile, settings, key = load(args)
+    profile, settings, key = load_serving(profile_name)
     resolved = resolve_on_this_host(profile, settings)
     check_allocator(resolved, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     worker = resolved.parallel is not None and resolved.parallel.headless
@@ -79,7 +85,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         identity = run_preflight(profile, settings, resolved)
         write_run_files(invocation)
         if worker:
-            from entrypoint.worker_gate import WorkerGate
 
             gate = WorkerGate(profile, settings, resolved, identity=identity)
             say(f"qwen38: serving profile {profile.name} as worker host {resolved.parallel.node_rank} of "
@@ -92,19 +97,5 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except BaseException:
         supervisor.abandon()
         raise
-    supervisor.gate = None if args.no_ready_gate else gate.run
+    supervisor.gate = gate.run if ready_gate else None
     return supervisor.run()
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    serve = subparsers.add_parser(
-        "serve",
-        help="verify, plan, then run vLLM for a profile under a supervisor (readiness gate, bounded stop)",
-        description="Run the start-up flow: verify the pinned artifacts, plan memory, render the "
-        "invocation and run vLLM as a child this process supervises: it runs the readiness gate, "
-        "stops the server if the gate fails, and on SIGTERM stops every engine process within "
-        "the profile's drain plus a fixed margin.",
-    )
-    serve.add_argument("--profile", help="profile to serve (default: the PROFILE setting)")
-    serve.add_argument("--no-ready-gate", action="store_true", help="do not run the readiness gate")
-    serve.set_defaults(func=_cmd_serve)

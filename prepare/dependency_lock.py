@@ -35,7 +35,9 @@ from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
+from core.atomic import atomic_write_text
 from core.errors import DependencyLockError
+from core.manifest import sha256_file
 
 REPO = Path(__file__).resolve().parent.parent
 LOCK_DIR = REPO / "docker" / "lock"
@@ -451,14 +453,11 @@ class IndexClient:
         else:
             files = parse_simple_page(response.text, response.headers.get("content-type", ""), url)
         if cached is not None:
-            from core.atomic import atomic_write_text
 
             atomic_write_text(cached, json.dumps([f.__dict__ for f in files]))
         return files
 
     def _local_files(self, directory: Path, name: str) -> list[IndexFile]:
-        from core.manifest import sha256_file
-
         files = []
         for path in sorted(directory.glob("*.whl")):
             try:
@@ -547,7 +546,6 @@ def regenerate(
     run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
 ) -> tuple[Path, Listing]:
     """Compile ``target``'s lock with uv, then record its wheel listing; both written atomically."""
-    from core.atomic import atomic_write_text
 
     staging = target.lock_path.with_name(f".{target.lock_path.name}.incomplete")
     # uv prefers the pins it finds in its output file: start from the current lock so that a

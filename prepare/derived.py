@@ -52,6 +52,7 @@ from core.manifest import (
     ManifestFile,
     build_manifest,
     content_files,
+    file_mismatches,
     read_manifest,
     write_manifest,
 )
@@ -82,25 +83,21 @@ class InputDirectory:
 
 def check_input_files(directory: Path, manifest: Manifest) -> None:
     """Cheap guard: the input holds exactly its manifest's files, each at its size."""
-    for entry in manifest.files:
-        path = directory / entry.path
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise PrepareError(
-                f"{path}: listed in {directory / MANIFEST_NAME} but missing; re-verify the download"
-            ) from None
-        if size != entry.size:
-            raise PrepareError(
-                f"{path}: {size} bytes, its manifest says {entry.size}; re-verify the download before preparing"
-            )
-    listed = manifest.by_path()
-    for path in content_files(directory):
-        if path.relative_to(directory).as_posix() not in listed:
-            raise PrepareError(
-                f"{path}: not in {directory / MANIFEST_NAME} (expected absent); remove it or re-download "
-                "the input before preparing"
-            )
+    mismatches = file_mismatches(directory, manifest)
+    if not mismatches:
+        return
+    first = mismatches[0]
+    path = directory / first.path
+    if first.kind == "missing":
+        raise PrepareError(f"{path}: listed in {directory / MANIFEST_NAME} but missing; re-verify the download")
+    if first.kind == "size":
+        raise PrepareError(
+            f"{path}: {first.found} bytes, its manifest says {first.expected}; re-verify the download before preparing"
+        )
+    raise PrepareError(
+        f"{path}: not in {directory / MANIFEST_NAME} (expected absent); remove it or re-download "
+        "the input before preparing"
+    )
 
 
 def local_input(directory: Path, role: str, *, only: Sequence[str] | None = None) -> InputDirectory:
@@ -159,21 +156,6 @@ def open_input(
     check_input_files(directory, manifest)
     ref = InputRef(role=role, identity=manifest.identity, manifest_digest=manifest.digest)
     return InputDirectory(directory, ref, manifest)
-
-
-def is_up_to_date(dst: Path, identity: DerivedIdentity | GeneratedIdentity) -> bool:
-    """True when ``dst`` is complete output of exactly this identity (sizes checked, not hashes)."""
-    if not (dst / MANIFEST_NAME).is_file():
-        return False
-    try:
-        manifest = read_manifest(dst)
-    except ManifestError:
-        return False
-    if manifest.identity != identity:
-        return False
-    listed = {f.path: f.size for f in manifest.files}
-    present = {p.relative_to(dst).as_posix(): p.stat().st_size if p.exists() else -1 for p in content_files(dst)}
-    return listed == present
 
 
 def _owned_by(dst: Path, transform: str) -> bool:

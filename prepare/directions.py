@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core.atomic import atomic_file
+from core.checkpoint import Checkpoint, open_checkpoint
 from core.errors import AdapterError
-from prepare.weight_formats import Checkpoint, describe_linear, open_checkpoint
+from prepare.weight_formats import describe_linear, linear_modules
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +42,7 @@ TARGET_RE = re.compile(
 
 def target_modules(ckpt: Checkpoint) -> list[str]:
     """The residual-writing modules of ``ckpt``'s decoder layers, in layer order."""
-    found = [m for m in ckpt.linear_modules() if TARGET_RE.match(m)]
+    found = [m for m in linear_modules(ckpt) if TARGET_RE.match(m)]
 
     def order(name: str) -> tuple[int, int]:
         match = TARGET_RE.match(name)
@@ -163,7 +164,7 @@ def random_directions(
     """
     import torch
 
-    ckpt = open_checkpoint(model_dir)
+    ckpt = open_checkpoint(model_dir, require_config=False)
     modules = target_modules(ckpt)
     gen = torch.Generator().manual_seed(int(seed))
     vectors: dict[str, torch.Tensor] = {}

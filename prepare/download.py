@@ -24,7 +24,6 @@ PATH`` the same way, or checked in place when its files are already there.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -35,10 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core import progress, proofs
-from core.artifact_lock import LOCK_PATH, ArtifactLock, LockedArtifact, LockedFile, effective_lock, load_lock
+from core.artifact_lock import LOCK_PATH, ArtifactLock, LockedArtifact, LockedFile
 from core.errors import DownloadError
 from core.hashing import hash_files, sha256_file
-from core.manifest import MANIFEST_NAME, Manifest, ManifestError, content_files, read_manifest, write_manifest
+from core.manifest import MANIFEST_NAME, Manifest, content_files, is_current, write_manifest
+from prepare.hub import download_resumable
 
 STAGING_DIR = ".qwen38-staging"
 LOCK_FILE = ".qwen38-download.lock"
@@ -86,30 +86,6 @@ def _exclusive(dest: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def _is_current(dest: Path, expected: Manifest) -> bool:
-    """The directory already carries the lock's manifest and every file has its size."""
-    try:
-        manifest = read_manifest(dest)
-    except ManifestError:
-        return False
-    if manifest.digest != expected.digest:
-        return False
-    for entry in expected.files:
-        try:
-            if (dest / entry.path).stat().st_size != entry.size:
-                return False
-        except FileNotFoundError:
-            return False
-    present = {p.relative_to(dest).as_posix() for p in content_files(dest)}
-    return present == {f.path for f in expected.files}
-
-
-def is_current(dest: Path, artifact: LockedArtifact) -> bool:
-    """``dest`` already holds the pinned ``artifact`` (its manifest is the lock's, every file at
-    its size): what `download_artifact` skips without ``recheck``. Hashes are not read."""
-    return _is_current(Path(dest), artifact.expected_manifest())
 
 
 def free_bytes(path: Path) -> int:
@@ -185,8 +161,6 @@ def _seeded(artifact: LockedArtifact, seed_dir: Path, fallback: Fetch, say: Call
 
 
 def _hub_fetch(artifact: LockedArtifact, endpoint: str | None) -> Fetch:
-    from prepare.hub import download_resumable
-
     def fetch(entry: LockedFile, staging: Path) -> None:
         try:
             download_resumable(
@@ -242,7 +216,7 @@ def download_artifact(
     files = artifact.require_pinned(lock_path)
     expected = artifact.expected_manifest()
     dest = Path(dest)
-    if not recheck and _is_current(dest, expected):
+    if not recheck and is_current(dest, expected):
         say(f"{artifact.key}: {dest} is up to date ({len(files)} files)")
         return expected
 
@@ -333,92 +307,23 @@ def download_artifact(
 
 
 def resolve_targets(
-    args: argparse.Namespace, lock: ArtifactLock, lock_path: Path, profiles_dir: Path
+    profile_name: str | None, artifact_keys: list[str], lock: ArtifactLock, lock_path: Path, profiles_dir: Path
 ) -> list[DownloadTarget]:
-    from core import profiles
+    """What `qwen38 prepare download` fetches: the ARTIFACTs named, or every downloaded slot of
+    profile ``profile_name`` (not both), each known to the lock."""
+    from core import profiles  # the profile files are read only for --profile
 
-    if args.profile and args.artifacts:
+    if profile_name and artifact_keys:
         raise DownloadError("name artifacts or --profile, not both")
-    if args.profile:
-        profile = profiles.load_profile(args.profile, profiles_dir)
+    if profile_name:
+        profile = profiles.load_profile(profile_name, profiles_dir)
         targets = targets_for_profile(profile)
         if not targets:
-            raise DownloadError(f"profile {args.profile} downloads nothing (its models are generated or derived)")
-    elif args.artifacts:
-        targets = [DownloadTarget(key, default_dir(key)) for key in args.artifacts]
+            raise DownloadError(f"profile {profile_name} downloads nothing (its models are generated or derived)")
+    elif artifact_keys:
+        targets = [DownloadTarget(key, default_dir(key)) for key in artifact_keys]
     else:
         raise DownloadError("name the ARTIFACTs to download, or --profile P")
     for target in targets:
         lock.get(target.artifact, lock_path)
     return targets
-
-
-def _cmd_download(args: argparse.Namespace) -> int:
-    from core.settings import load_settings
-    from prepare.pinning import check_pinnable, pin_at_first_use
-
-    lock_path = Path(args.lock)
-    settings = load_settings(profile=args.profile)
-    models_dir = Path(settings.models_dir)
-    lock = effective_lock(load_lock(lock_path), models_dir)
-    targets = resolve_targets(args, lock, lock_path, settings.profiles_dir)
-    source = Path(args.source) if args.source else None
-    if source is not None:
-        local = [t for t in targets if lock.get(t.artifact).source == "local"]
-        if len(local) != 1:
-            raise DownloadError("--from names the file of exactly one user-supplied artifact; name that one")
-    # Check every pin before fetching anything: fail in the first second, not after 20 GB.
-    for target in targets:
-        check_pinnable(lock.get(target.artifact), lock_path, allow_branch_head=settings.allow_branch_head)
-    seed_dir = Path(args.seed) if args.seed else settings.models_seed_dir
-    for target in targets:
-        artifact = pin_at_first_use(
-            lock.get(target.artifact),
-            models_dir,
-            allow_branch_head=settings.allow_branch_head,
-            endpoint=args.endpoint,
-            lock_path=lock_path,
-        )
-        download_artifact(
-            artifact,
-            models_dir / target.dir,
-            endpoint=args.endpoint,
-            source=source if artifact.source == "local" else None,
-            seed_dir=seed_dir,
-            prune=args.prune,
-            recheck=args.recheck,
-            jobs=args.jobs,
-            lock_path=lock_path,
-        )
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "download",
-        help="download pinned artifacts, verify their sha256 and write their manifests",
-        description="Download the pinned revision of each ARTIFACT (or of every downloaded slot "
-        "of --profile P) into MODELS_DIR, resumably, verifying each file's sha256 before it is "
-        "moved into place, then write the directory's manifest. Artifacts named here land in "
-        "MODELS_DIR/<artifact key>.",
-    )
-    parser.add_argument("artifacts", nargs="*", metavar="ARTIFACT", help="artifact keys of the lock")
-    parser.add_argument("--profile", help="download every artifact slot of this profile")
-    parser.add_argument("--from", dest="source", metavar="PATH", help="copy a user-supplied artifact from here")
-    parser.add_argument("--endpoint", help="hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
-    parser.add_argument(
-        "--seed",
-        metavar="DIR",
-        help="take files already downloaded from here when their sha256 is the pinned one: a Hugging Face "
-        "cache or a folder of files (default: MODELS_SEED_DIR)",
-    )
-    parser.add_argument("--prune", action="store_true", help="delete files in the directory the lock does not list")
-    parser.add_argument(
-        "--recheck",
-        action="store_true",
-        help="hash the files already in place even when the manifest says the directory is up to date, "
-        "and fetch again whatever does not match",
-    )
-    parser.add_argument("--jobs", type=int, default=None, help="files hashed in parallel (default: cores)")
-    parser.add_argument("--lock", default=str(LOCK_PATH), help=argparse.SUPPRESS)
-    parser.set_defaults(func=_cmd_download)

@@ -23,7 +23,6 @@ and the sha256 of the id list or corpus files and held-out files):
 
 from __future__ import annotations
 
-import argparse
 import json
 import struct
 from collections.abc import Iterable, Iterator, Sequence
@@ -31,12 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.checkpoint import CONFIG_NAME, read_json
+from core.checkpoint import CONFIG_NAME, read_json, text_config
 from core.errors import PrepareError
 from core.identity import DerivedIdentity
-from core.manifest import sha256_file
+from core.manifest import is_current, sha256_file
 from core.safetensors_stream import ShardWriter, TensorSpec
-from prepare.derived import build_lock, derived_directory, is_up_to_date, open_input, refuse_overlap
+from prepare.derived import build_lock, derived_directory, open_input, refuse_overlap
 
 TRANSFORM = "draft-vocab"
 TRANSFORM_VERSION = "1"  # bump whenever the output bytes would change for the same input and params
@@ -224,7 +223,7 @@ def _target_vocab_size(model_dir: Path) -> int:
         config = read_json(model_dir / CONFIG_NAME)
     except FileNotFoundError:
         raise PrepareError(f"{model_dir / CONFIG_NAME}: missing; --model must be the target model directory") from None
-    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    size = config.get("vocab_size") or text_config(config).get("vocab_size")
     if not isinstance(size, int) or size <= 0:
         raise PrepareError(f"{model_dir / CONFIG_NAME}: no vocab_size")
     return size
@@ -279,7 +278,7 @@ def build_draft_vocab(
     )
 
     with build_lock(out):
-        if is_up_to_date(out, identity):
+        if is_current(out, identity):
             saved = read_json(out / VOCAB_JSON)
             return DraftVocabResult(out, True, saved["draft_vocab_size"], vocab_size, saved.get("coverage", {}))
         counter = TokenCounter(model_dir, vocab_size) if (corpus_paths or heldout_paths) else None
@@ -322,39 +321,6 @@ def build_draft_vocab(
             writer.write("t2d", t2d)
             writer.finish()
     return DraftVocabResult(out, False, len(ids), vocab_size, report)
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def _run(args: argparse.Namespace) -> int:
-    result = build_draft_vocab(
-        args.model, args.out, ids_file=args.ids, corpus=args.corpus or (), heldout=args.heldout or (), size=args.size
-    )
-    state = "is up to date; nothing to do" if result.up_to_date else "written"
-    print(f"draft-vocab: {result.out} {state}: {result.size:,} of {result.target_vocab_size:,} tokens")
-    cov = result.coverage
-    if "corpus" in cov:
-        print(f"draft-vocab: corpus coverage {cov['corpus']:.2%} of {cov['corpus_tokens']:,} tokens")
-    if "heldout" in cov:
-        print(f"draft-vocab: held-out coverage {cov['heldout']:.2%} of {cov['heldout_tokens']:,} tokens")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "draft-vocab",
-        help="reduced draft vocabulary for the MTP speculator (pinned ids or counted over a corpus)",
-        description=__doc__.split("\n\n")[0],
-    )
-    parser.add_argument("--model", required=True, type=Path, help="target model directory (config.json, tokenizer)")
-    parser.add_argument("--out", required=True, type=Path, help="output directory (built atomically)")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ids", type=Path, help="pinned JSON list of token ids")
-    source.add_argument("--corpus", type=Path, nargs="+", help="text / JSON Lines files to count tokens over")
-    parser.add_argument("--heldout", type=Path, nargs="+", help="held-out text for the coverage report")
-    parser.add_argument("--size", type=int, default=None, help=f"ids to keep from a corpus (default {DEFAULT_SIZE})")
-    parser.set_defaults(func=_run)
 
 
 __all__ = ["build_draft_vocab", "draft_vocab_files", "select_ids", "mapping_tensors", "coverage", "DraftVocabResult"]

@@ -26,7 +26,6 @@ seed) and swapped in whole (`core.atomic`).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -38,16 +37,17 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import atomic_directory
-from core.checkpoint import INDEX_NAME
 from core.errors import PrepareError
 from core.identity import GeneratedIdentity
-from core.manifest import read_manifest, write_manifest
-from core.safetensors_stream import encode_header
+from core.manifest import current_manifest, write_manifest
+from prepare.adapter import DERIVATION_PARAM, convert
+from prepare.checkpoint_writer import FORMAT_METADATA, CheckpointWriter, write_checkpoint
+from prepare.directions import random_directions
+from prepare.int8_pack import dequantize_rows
+from prepare.requantize import requantize_checkpoint
 from prepare.synthetic import (
-    PRESET_NAMES,
     TINY,
     TINY_PRESET,
-    VARIANTS,
     Preset,
     Recipe,
     StoredTensor,
@@ -61,6 +61,7 @@ from prepare.synthetic import (
     variant_role,
     variant_tensors,
 )
+from prepare.tokenizer import build_tokenizer, drop_nondeterministic
 
 # The generator's identity: the `generated = "tiny"` of a profile's model slot names it, at any
 # size (the preset is in the params).
@@ -80,7 +81,7 @@ ADAPTER_STRENGTH = 4.0  # coefficient c of the full-size directions (docs/adapte
 # tiny target's successor lm_head gives wide greedy margins, so it takes a strong change to flip them.
 TINY_ADAPTER_STRENGTH = 100.0
 TINY_DIRS = ("target", "drafter", "drafter2", "directions", "adapter")
-METADATA = {"format": "pt"}
+METADATA = FORMAT_METADATA
 
 
 def _torch_dtype(dtype: str):
@@ -251,23 +252,18 @@ def _worker_init() -> None:
     torch.set_num_threads(1)  # one block a process: no intra-op threads to oversubscribe
 
 
-def shard_tasks(directory: Path, shards: dict[str, list[StoredTensor]], seed: int) -> list[BlockTask]:
-    """Create every shard at its final size with its header; the block tasks that fill it."""
-    from core.safetensors_stream import TensorSpec
-
+def shard_tasks(writer: CheckpointWriter, shards: dict[str, list[StoredTensor]], seed: int) -> list[BlockTask]:
+    """Lay out every shard through ``writer`` (created at its final size with its header); the
+    block tasks that fill it."""
     tasks: list[BlockTask] = []
     for shard, tensors in shards.items():
-        specs = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
-        header, offsets = encode_header(specs, METADATA)
-        path = directory / shard
-        with open(path, "wb") as handle:
-            handle.write(header)
-            handle.truncate(len(header) + sum(t.nbytes for t in tensors))
+        writer.open_shard(shard, tensors, METADATA)
         for t in tensors:
+            path, offset = writer.locate(t.name)
             rows = t.shape[0] if t.shape else 1
             row_bytes = t.nbytes // max(rows, 1)
             for block, (start, end) in enumerate(iter_blocks(t, BLOCK_BYTES)):
-                tasks.append(BlockTask(str(path), offsets[t.name] + start * row_bytes, t, start, end, block, seed))
+                tasks.append(BlockTask(str(path), offset + start * row_bytes, t, start, end, block, seed))
     # Biggest first: the pool's tail is short blocks, not one late 32 MB one.
     return sorted(tasks, key=lambda task: -_task_bytes(task))
 
@@ -279,16 +275,21 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def fill(tasks: list[BlockTask], workers: int) -> int:
-    """Run the block tasks (in this process when small, else in ``workers`` processes)."""
+def fill(tasks: list[BlockTask], workers: int, writer: CheckpointWriter) -> int:
+    """Run the block tasks (in this process when small, else in ``workers`` processes); each
+    block's bytes are counted in ``writer``, whose `finish` refuses a tensor left short."""
     if workers <= 1 or sum(_task_bytes(t) for t in tasks) < INLINE_BYTES:
-        return sum(_run_task(t) for t in tasks)
-    import multiprocessing
+        counts = [_run_task(t) for t in tasks]
+    else:
+        import multiprocessing
 
-    # spawn, not fork: forked children of a process that ran OpenMP threads can deadlock.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init) as pool:
-        return sum(pool.map(_run_task, tasks, chunksize=1))
+        # spawn, not fork: forked children of a process that ran OpenMP threads can deadlock.
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init) as pool:
+            counts = list(pool.map(_run_task, tasks, chunksize=1))
+    for task, count in zip(tasks, counts, strict=True):
+        writer.record(task.tensor.name, count)
+    return sum(counts)
 
 
 def _task_bytes(task: BlockTask) -> int:
@@ -303,7 +304,6 @@ def _task_bytes(task: BlockTask) -> int:
 def tokenizer_for(p: Preset, seed: int):
     """The generated byte-level BPE (`prepare.tokenizer`), its vocabulary filled up to the
     model's with decodable placeholder tokens."""
-    from prepare.tokenizer import build_tokenizer
 
     return build_tokenizer(seed, vocab=p.tokenizer_vocab, fill_to=p.target.vocab_size, corpus=p.tokenizer_corpus)
 
@@ -318,8 +318,6 @@ def special_ids(tokenizer) -> dict[str, int]:
 
 
 def write_tokenizer(directory: Path, tokenizer) -> None:
-    from prepare.tokenizer import drop_nondeterministic
-
     tokenizer.save_pretrained(directory)
     drop_nondeterministic(directory)
     ids = special_ids(tokenizer)
@@ -347,11 +345,9 @@ def identity(p: Preset, model: str, seed: int, **params: Any) -> GeneratedIdenti
 
 def _current(out: Path, p: Preset, model: str, seed: int) -> Written | None:
     """What ``out`` already holds when it is this exact model, whole (sizes checked, not hashes)."""
-    from prepare.derived import is_up_to_date
-
-    if not is_up_to_date(out, identity(p, model, seed)):
+    manifest = current_manifest(out, identity(p, model, seed))
+    if manifest is None:
         return None
-    manifest = read_manifest(out)
     return Written(out, manifest.total_size, len(manifest.files), 0.0, skipped=True)
 
 
@@ -378,10 +374,9 @@ def write_model(out: Path, p: Preset, variant: str, seed: int, workers: int, *, 
     with atomic_directory(out) as stage:
         if role == "target":  # a drafter reads the target's tokenizer
             write_tokenizer(stage, tokenizer)
-        (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        written = fill(shard_tasks(stage, plan.shards, seed), workers)
-        if len(plan.shards) > 1 or p.shard_names is None:
-            (stage / INDEX_NAME).write_text(json.dumps(plan.index(), indent=2) + "\n", encoding="utf-8")
+        with CheckpointWriter(stage) as writer:
+            written = fill(shard_tasks(writer, plan.shards, seed), workers, writer)
+            writer.finish(config=config, index=len(plan.shards) > 1 or p.shard_names is None)
         write_manifest(stage, identity(p, model, seed), jobs=workers)
         files = sum(1 for _ in stage.iterdir())
     return Written(out, written, files, time.perf_counter() - began, len(plan.shards))
@@ -391,7 +386,6 @@ def write_directions(out: Path, target: Path, p: Preset, seed: int, *, keep_curr
                      name: str = DIRECTIONS, strength: float = ADAPTER_STRENGTH) -> Written:
     """The spark-lora adapter's directions for ``target``: a unit r per residual-writing module,
     every coefficient ``strength``."""
-    from prepare.directions import random_directions
 
     began = time.perf_counter()
     if keep_current and (kept := _current(out, p, name, seed)) is not None:
@@ -493,7 +487,6 @@ def build_tiny_models(out: Path | str, seed: int = DEFAULT_SEED) -> dict[str, Pa
       binds it to the target as it binds a `spark-lora` adapter).
     Two runs with one seed write byte-identical files.
     """
-    from prepare.adapter import DERIVATION_PARAM, convert
 
     out = Path(out)
     paths = {name: out / name for name in TINY_DIRS}
@@ -520,10 +513,6 @@ def int8_embed_pair(root: Path | str, seed: int = 0) -> dict[str, Path]:
     dequantized back to bf16, as vLLM computes it): the two answer identically."""
     import torch
     from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from prepare.int8_pack import dequantize_rows
-    from prepare.requantize import requantize_checkpoint
 
     root = Path(root)
     bf16 = generate_model(root / "bf16", "tiny-hybrid", "qwen3.8-27b-bf16", seed=seed)
@@ -540,56 +529,6 @@ def int8_embed_pair(root: Path | str, seed: int = 0) -> dict[str, Path]:
         with safe_open(str(bf16 / "model.safetensors"), "pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         tensors[f"{name}.weight"] = table.to(torch.bfloat16)
-        save_file(tensors, str(stage / "model.safetensors"), metadata=METADATA)
+        write_checkpoint(stage, {"model.safetensors": tensors}, index=False, metadata=METADATA)
         write_manifest(stage, identity(preset("tiny-hybrid"), "qwen3.8-27b-int8-embed-dequantized", seed))
     return {"int8": quantized, "dequantized": dequantized}
-
-
-# ---------------------------------------------------------------------------------------
-# CLI
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
-    result = generate(args.out, args.size, seed=args.seed, only=only, workers=args.workers, layers=args.layers)
-    summary = result.summary()
-    for name, model in summary["models"].items():
-        print(f"{name}: {model['path']} ({model['bytes'] / 1e9:.3f} GB, {model['seconds']:.1f} s)")
-    print(f"generate: {summary['bytes'] / 1e9:.3f} GB in {summary['seconds']:.1f} s "
-          f"({summary['throughput_mb_s']:.0f} MB/s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    return 0
-
-
-def _cmd_tiny(args: argparse.Namespace) -> int:
-    for name, path in build_tiny_models(Path(args.out), seed=args.seed).items():
-        print(f"{name}: {path}")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    tiny = subparsers.add_parser(
-        "tiny",
-        help="generate the tiny models (target, drafters, directions, adapter) deterministically",
-        description="Write tiny models of the real architectures under --out: target/, drafter/, drafter2/, "
-        "directions/ and adapter/ (built by the adapter converter). Two runs with the same seed give "
-        "byte-identical files (= qwen38 generate --size tiny).",
-    )
-    tiny.add_argument("--out", required=True, help="output directory (subdirectories are replaced)")
-    tiny.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    tiny.set_defaults(func=_cmd_tiny)
-    parser = subparsers.add_parser(
-        "generate",
-        help="generate models of the real architectures and formats (tiny to full size), with manifests",
-        description="Write generated models under --out: --size tiny is `qwen38 tiny`'s set; full writes "
-        "Qwen3.8-27B-shaped W4A16 / GPTQ / NVFP4 / bf16 artifacts under their artifact keys (docs/prepare.md).",
-    )
-    parser.add_argument("--size", required=True, choices=PRESET_NAMES, help="preset (prepare/synthetic.py)")
-    parser.add_argument("--out", required=True, help="output directory (each model's subdirectory is replaced)")
-    parser.add_argument("--only", default=None, help=f"comma list of {', '.join([*VARIANTS, DIRECTIONS])}")
-    parser.add_argument("--seed", type=int, default=None, help="default: the tiny models' seed")
-    parser.add_argument("--workers", type=int, default=None, help="writer processes (default: every core)")
-    parser.add_argument("--layers", type=int, default=None, help="target layers (a multiple of 4): a slice, to measure")
-    parser.add_argument("--json", default=None, help="write the summary (bytes, seconds, throughput) here")
-    parser.set_defaults(func=_cmd_generate)

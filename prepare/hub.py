@@ -21,6 +21,15 @@ serve exactly these):
 writes each attempt to a process-unique temporary file and deletes it on failure
 (``_download_to_tmp_and_move``), so an interrupted 5 GB shard would start over. We keep
 our own staging file per expected sha256 and let ``http_get`` continue it.
+
+The bounds in pyproject.toml (``huggingface_hub>=2.4,<3``, ``httpx2>=2,<3``) are what this
+module relies on beyond the documented API, all as of huggingface_hub 2.4.0 (every lock's):
+``huggingface_hub.file_download.http_get`` (a module-level helper, not exported) with
+``resume_size``/``expected_size``/``displayed_filename``; ``HfFileMetadata.location`` (the
+CDN redirect) beside ``commit_hash``/``etag``/``size``; ``errors.RemoteEntryNotFoundError``;
+and httpx2 as the client's transport, whose ``HTTPError`` is what a network failure raises
+(`hub_errors`). A major version may move any of these: raise the ceiling only after the
+hub tests (tests/unit/test_hub_download.py, tests/hub_server.py) pass with it.
 """
 
 from __future__ import annotations

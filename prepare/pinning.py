@@ -24,6 +24,7 @@ from core.artifact_lock import LOCK_PATH, UNPINNED, LockedArtifact, LockedFile, 
 from core.errors import ArtifactError
 from core.hashing import hash_files, sha256_file
 from core.manifest import content_files
+from prepare import hub
 
 BRANCH_HEAD = "main"
 """The branch an owner's ALLOW_BRANCH_HEAD resolves (huggingface_hub's default revision)."""
@@ -37,7 +38,6 @@ def pin_hub_artifact(
     artifact: LockedArtifact, *, revision: str | None = None, endpoint: str | None = None
 ) -> LockedArtifact:
     """``artifact`` with its revision resolved to a commit and every file pinned from the hub."""
-    from prepare import hub
 
     if artifact.source != "hub":
         raise ArtifactError(f"artifact {artifact.key} is local: pin it with `{artifact.pin_command()}`")

@@ -35,9 +35,17 @@ from pathlib import Path
 
 from core import progress
 from core.artifact_lock import LOCK_PATH, ArtifactLock, effective_lock, load_lock
+from core.atomic import remove_stale_staging
 from core.errors import PrepareError
-from core.manifest import MANIFEST_NAME
+from core.identity import GeneratedIdentity
+from core.manifest import MANIFEST_NAME, Manifest, is_current
 from core.profiles import ModelSlot, Profile
+from prepare.download import default_dir, download_artifact
+from prepare.generate import GENERATOR_VERSION, build_tiny_models
+from prepare.pinning import check_pinnable, pin_at_first_use
+from prepare.requantize import requantize_checkpoint
+from prepare.slot_identity import check_slot_identity
+from prepare.transforms import transform_module
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,6 @@ def _slots(profile: Profile) -> list[tuple[str, ModelSlot]]:
 
 def input_dir(profile: Profile, models_dir: Path, artifact: str) -> Path:
     """Where the download of ``artifact`` that a transform reads lives."""
-    from prepare.download import default_dir
 
     for _, slot in _slots(profile):
         if slot.artifact == artifact and slot.transform is None:
@@ -113,8 +120,6 @@ def check_plan(steps: list[Step], lock: ArtifactLock, lock_path: Path | str, all
 
     An artifact the repository lock pins by commit only passes (prepare pins its files at
     first use); one with no revision only with ``allow_branch_head``."""
-    from prepare.pinning import check_pinnable
-    from prepare.transforms import transform_module
 
     for step in steps:
         if step.action == "download":
@@ -132,25 +137,22 @@ def check_plan(steps: list[Step], lock: ArtifactLock, lock_path: Path | str, all
 
 
 def _tiny_is_current(directory: Path, recheck: bool) -> bool:
-    """A tiny model directory this generator wrote (with ``recheck``: every byte as listed)."""
-    from core.identity import GeneratedIdentity
-    from core.manifest import ManifestError, read_manifest
-    from prepare.generate import GENERATOR_VERSION
+    """A tiny model directory this generator wrote (with ``recheck``: every byte as listed).
 
-    try:
-        identity = read_manifest(directory).identity
-    except ManifestError:
-        return False
-    if not isinstance(identity, GeneratedIdentity) or identity.generator_version != str(GENERATOR_VERSION):
-        return False
-    return not recheck or _files_match(directory)
+    Without ``recheck`` its file sizes are not compared (docs/prepare.md: a tiny model is
+    generated again when its manifest is missing or of another generator version)."""
+
+    def ours(manifest: Manifest) -> bool:
+        identity = manifest.identity
+        return isinstance(identity, GeneratedIdentity) and identity.generator_version == str(GENERATOR_VERSION)
+
+    return is_current(directory, ours, sizes=False, sha256=recheck)
 
 
 def _run_tiny(step: Step, models_dir: Path, recheck: bool, tiny_slots: list[Step]) -> bool:
     """Generate the tiny models unless every tiny slot of the profile is current."""
     if all(_tiny_is_current(s.directory, recheck) for s in tiny_slots):
         return False
-    from prepare.generate import build_tiny_models
 
     root = step.directory.parent
     if root == models_dir:
@@ -173,7 +175,6 @@ def _pin_artifacts(
     steps: list[Step], lock: ArtifactLock, models_dir: Path, hub: HubAccess, lock_path: Path | str, say
 ) -> ArtifactLock:
     """The lock with every downloaded artifact's files pinned (read from the hub at first use)."""
-    from prepare.pinning import pin_at_first_use
 
     for key in dict.fromkeys(step.artifact for step in steps if step.action == "download"):
         artifact = lock.get(key, lock_path)  # type: ignore[arg-type]
@@ -199,10 +200,9 @@ def _run_download(
     recheck: bool,
     say: Callable[[str], None],
 ) -> bool:
-    from prepare.download import download_artifact, is_current
 
     artifact = lock.get(step.artifact, lock_path)  # type: ignore[arg-type]
-    if is_current(step.directory, artifact) and (not recheck or _files_match(step.directory)):
+    if is_current(step.directory, artifact.expected_manifest(), sha256=recheck):
         return False
     download_artifact(
         artifact,
@@ -216,30 +216,8 @@ def _run_download(
     return True
 
 
-def _files_match(directory: Path) -> bool:
-    """``directory`` holds exactly its manifest's files, each hashing as listed (``--recheck``)."""
-    from core.hashing import hash_files
-    from core.manifest import ManifestError, content_files, read_manifest
-
-    try:
-        manifest = read_manifest(directory)
-    except ManifestError:
-        return False
-    paths = {entry.path: directory / entry.path for entry in manifest.files}
-    if {p.relative_to(directory).as_posix() for p in content_files(directory)} != set(paths):
-        return False  # a file missing, or one the manifest does not list
-    try:
-        with progress.hashing(list(paths.values()), f"recheck: sha256 of {directory}") as bar:
-            found = hash_files(paths.values(), progress=bar.update)
-    except OSError:
-        return False
-    return all(found[paths[entry.path]] == entry.sha256 for entry in manifest.files)
-
-
 def _run_requantize(step: Step, recheck: bool, say: Callable[[str], None]) -> bool:
-    from prepare.requantize import requantize_checkpoint
-
-    force = recheck and step.directory.exists() and not _files_match(step.directory)
+    force = recheck and step.directory.exists() and not is_current(step.directory, sizes=False, sha256=True)
     result = requantize_checkpoint(
         step.inputs[0], step.directory, progress=True, allow_unmanifested_input=False, force=force
     )
@@ -249,29 +227,22 @@ def _run_requantize(step: Step, recheck: bool, say: Callable[[str], None]) -> bo
     return True
 
 
-def _derived_is_current(step: Step, profile: Profile, lock: ArtifactLock, lock_path: Path | str) -> bool:
-    """A transform's output whose identity verify accepts and whose files are all there."""
-    from core.manifest import ManifestError, content_files, read_manifest
-    from prepare.slot_identity import check_slot_identity
+def _derived_is_current(
+    step: Step, profile: Profile, lock: ArtifactLock, lock_path: Path | str, recheck: bool
+) -> bool:
+    """A transform's output whose identity verify accepts and whose files are all there
+    (with ``recheck``: every byte as listed)."""
 
     slot = dict(_slots(profile))[step.slot]
-    try:
-        manifest = read_manifest(step.directory)
-    except ManifestError:
-        return False
-    if check_slot_identity(step.slot, slot, manifest, lock, step.directory / MANIFEST_NAME, lock_path):
-        return False
-    present = {
-        p.relative_to(step.directory).as_posix(): p.stat().st_size if p.exists() else -1  # -1: dangling link
-        for p in content_files(step.directory)
-    }
-    return present == {f.path: f.size for f in manifest.files}
+
+    def accepted(manifest: Manifest) -> bool:
+        return not check_slot_identity(step.slot, slot, manifest, lock, step.directory / MANIFEST_NAME, lock_path)
+
+    return is_current(step.directory, accepted, sha256=recheck)
 
 
 def _run_adapter_build(step: Step, profile: Profile, lock: ArtifactLock, lock_path: Path | str, recheck: bool) -> bool:
-    from prepare.transforms import transform_module
-
-    if _derived_is_current(step, profile, lock, lock_path) and (not recheck or _files_match(step.directory)):
+    if _derived_is_current(step, profile, lock, lock_path, recheck):
         return False
     base, directions_dir = step.inputs
     files = lock.get(step.artifact, lock_path).require_pinned(lock_path)  # type: ignore[arg-type]
@@ -330,7 +301,6 @@ def _one_preparer(models_dir: Path) -> Iterator[None]:
 
 def _remove_staging_leftovers(steps: list[Step], say: Callable[[str], None]) -> None:
     """What a killed run left beside the directories it was building (``.<name>.<id>.incomplete``)."""
-    from core.atomic import remove_stale_staging
 
     for parent in sorted({step.directory.parent for step in steps}):
         for removed in remove_stale_staging(parent):

@@ -26,7 +26,6 @@ plan's parameters, and the input model, plus the draft vocabulary when one is ca
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -44,9 +43,12 @@ from core.checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, open_checkpoint
 from core.errors import PrepareError
 from core.hashing import sha256_file
 from core.identity import DerivedIdentity
-from core.manifest import MANIFEST_NAME, ManifestFile
+from core.manifest import MANIFEST_NAME, ManifestFile, is_current
+from core.progress import Progress
 from core.safetensors_stream import DTYPE_SIZES, SafetensorsFile, ShardWriter, TensorSpec
-from prepare.derived import InputDirectory, build_lock, derived_directory, is_up_to_date, open_input, refuse_overlap
+from prepare.derived import InputDirectory, build_lock, derived_directory, open_input, refuse_overlap
+from prepare.draft_vocab import draft_vocab_files
+from prepare.int8_pack import GroupQuantizer, rows_per_block
 
 TRANSFORM = "requantize-int8"
 TRANSFORM_VERSION = "1"  # bump whenever the output bytes would change for the same input and params
@@ -347,8 +349,6 @@ def _quantize_tensor(
 ) -> TensorReport:
     import torch
 
-    from prepare.int8_pack import GroupQuantizer, rows_per_block
-
     torch_dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     entry = reader.tensors[tensor.source_name]
     rows, cols, group = tensor.rows, tensor.cols, tensor.group_size
@@ -493,7 +493,6 @@ def requantize_checkpoint(
     vocab: InputDirectory | None = None
     vocab_files: list[Path] = []
     if vocab_dir is not None:
-        from prepare.draft_vocab import draft_vocab_files
 
         vocab_files = draft_vocab_files(vocab_dir)
         vocab = open_input(vocab_dir, "draft_vocab", allow_unmanifested=allow_unmanifested_input)
@@ -501,7 +500,7 @@ def requantize_checkpoint(
     result = RequantizeResult(dst=dst, up_to_date=False)
 
     with build_lock(dst):
-        if not force and is_up_to_date(dst, identity):
+        if not force and is_current(dst, identity):
             result.up_to_date = True
             result.seconds = time.perf_counter() - began
             return result
@@ -543,49 +542,5 @@ def requantize_checkpoint(
 
 def _progress(total: int, enabled: bool, dst: Path) -> Any:
     """Bytes of the tables being requantized (a bar in a terminal, else a line every 20 s)."""
-    from core.progress import Progress
 
     return Progress(f"requantize {dst.name}: int8 tables", total, shown=enabled)
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def _run(args: argparse.Namespace) -> int:
-    targets = parse_targets(args.only)
-    result = requantize_checkpoint(
-        args.model, args.out, targets, draft_vocab=args.draft_vocab, workers=args.workers, progress=True
-    )
-    if result.up_to_date:
-        print(f"requantize: {result.dst} is up to date (same input, same options); nothing to do")
-        return 0
-    for report in result.tensors:
-        rows, cols = report.shape
-        print(
-            f"requantize: {report.name} [{rows} x {cols}] -> int8 group {args.group_size}: "
-            f"relative error {report.relative_error:.4%}, {report.seconds:.1f} s"
-        )
-    modes = sorted(set(result.placed.values()))
-    print(
-        f"requantize: wrote {result.dst} ({len(result.written)} files written, {len(result.placed)} "
-        f"{'/'.join(modes) or 'linked'} from the input) in {result.seconds:.1f} s"
-    )
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "requantize",
-        help="int8 embed_tokens / lm_head (/ MTP) in the compressed-tensors pack-quantized layout",
-        description=__doc__.split("\n\n")[0],
-    )
-    parser.add_argument("--model", required=True, type=Path, help="checkpoint directory to read (never modified)")
-    parser.add_argument("--out", required=True, type=Path, help="prepared directory to write (built atomically)")
-    parser.add_argument(
-        "--only",
-        default=",".join(DEFAULT_TARGETS),
-        help=f"comma list of {', '.join(TARGETS)} (default: %(default)s)",
-    )
-    parser.add_argument("--draft-vocab", type=Path, default=None, help="a `prepare draft-vocab` output to include")
-    parser.add_argument("--workers", type=int, default=None, help="quantization threads (default: CPUs, at most 4)")
-    parser.set_defaults(func=_run, group_size=GROUP_SIZE)

@@ -691,19 +691,14 @@ def drafter_config(p: Preset, fmt: Format, special: dict[str, int]) -> dict[str,
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Which tensors go into which shard file (sizes about ``Preset.shard_bytes``)."""
+    """Which tensors go into which shard file (sizes about ``Preset.shard_bytes``); written,
+    index included, by `prepare.checkpoint_writer`."""
 
     shards: dict[str, list[StoredTensor]] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for tensors in self.shards.values() for t in tensors)
-
-    def weight_map(self) -> dict[str, str]:
-        return dict(sorted((t.name, shard) for shard, tensors in self.shards.items() for t in tensors))
-
-    def index(self) -> dict[str, Any]:
-        return {"metadata": {"total_size": self.total_bytes}, "weight_map": self.weight_map()}
 
 
 def _module_of(name: str) -> str:

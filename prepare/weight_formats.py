@@ -6,7 +6,8 @@ compressed-tensors `weight_packed` u8 + `weight_scale` + `weight_global_scale`),
 E4M3 (per-tensor or per-channel `weight_scale`), block FP8 (`weight_scale_inv`, or a 2-D
 `weight_scale`, over 128 x 128 tiles) and plain BF16/FP16/FP32. Rows are sliced straight out
 of the safetensors shards, so neither a whole dequantized tensor nor a dequantized model is
-ever held in memory.
+ever held in memory. The checkpoint itself (shards, index, headers, config) is opened by
+`core.checkpoint.open_checkpoint`; this module only reads what format its tensors are in.
 
 Conventions, checked against vLLM 0.28.0 and compressed-tensors 0.17.0:
 - E2M1 nibbles: low nibble first (even input index), bit 3 the sign, magnitudes
@@ -20,13 +21,12 @@ Conventions, checked against vLLM 0.28.0 and compressed-tensors 0.17.0:
 from __future__ import annotations
 
 import contextlib
-import json
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from core.checkpoint import INDEX_NAME, text_config
+from core.checkpoint import Checkpoint
 from core.errors import PrepareError
 
 if TYPE_CHECKING:
@@ -50,91 +50,26 @@ class WeightFormatError(PrepareError):
 
 
 # ---------------------------------------------------------------------------------------
-# The checkpoint: which shard holds which tensor
+# The checkpoint (read by `core.checkpoint`): its modules and FP8 tile size
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    """A model directory's safetensors shards and the tensor -> shard map."""
-
-    directory: Path
-    weight_map: dict[str, str]
-    source: Literal["index", "scan"]
-    config: dict[str, Any] = field(default_factory=dict)
-
-    def shard(self, tensor: str) -> Path:
-        return self.directory / self.weight_map[tensor]
-
-    def has(self, tensor: str) -> bool:
-        return tensor in self.weight_map
-
-    def linear_modules(self) -> list[str]:
-        """Names of modules with a `weight` or `weight_packed` tensor."""
-        names = set()
-        for tensor in self.weight_map:
-            for suffix in (".weight", ".weight_packed"):
-                if tensor.endswith(suffix):
-                    names.add(tensor[: -len(suffix)])
-        return sorted(names)
-
-    @property
-    def text_config(self) -> Mapping[str, Any]:
-        """config.json's language-model part (`text_config` of a VL config, else itself)."""
-        return text_config(self.config)
-
-    def fp8_block_size(self) -> tuple[int, int]:
-        quant = self.config.get("quantization_config") or self.text_config.get("quantization_config") or {}
-        block = quant.get("weight_block_size")
-        if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
-            return (block[0], block[1])
-        return DEFAULT_FP8_BLOCK
+def linear_modules(ckpt: Checkpoint) -> list[str]:
+    """Names of modules with a `weight` or `weight_packed` tensor."""
+    names = set()
+    for tensor in ckpt.weight_map:
+        for suffix in (".weight", ".weight_packed"):
+            if tensor.endswith(suffix):
+                names.add(tensor[: -len(suffix)])
+    return sorted(names)
 
 
-def open_checkpoint(model_dir: Path | str) -> Checkpoint:
-    """Map every tensor of ``model_dir`` to its shard (index when present, else a scan)."""
-    from safetensors import safe_open
-
-    directory = Path(model_dir)
-    if not directory.is_dir():
-        raise WeightFormatError(f"{directory}: not a directory; pass --model the base model's directory")
-    config: dict[str, Any] = {}
-    config_path = directory / "config.json"
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise WeightFormatError(f"{config_path}: not valid JSON ({exc}); restore the model's config.json") from None
-
-    index_path = directory / INDEX_NAME
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise WeightFormatError(
-                f"{index_path}: expected JSON with a `weight_map` object; re-download the index"
-            ) from None
-        if not isinstance(weight_map, dict):
-            raise WeightFormatError(f"{index_path}: `weight_map` must map tensor names to shard files")
-        for shard in sorted(set(weight_map.values())):
-            if not (directory / shard).is_file():
-                raise WeightFormatError(f"{index_path}: names shard {shard!r}, which is missing from {directory}")
-        return Checkpoint(directory, dict(weight_map), "index", config)
-
-    shards = sorted(directory.glob("*.safetensors"))
-    if not shards:
-        raise WeightFormatError(f"{directory}: no {INDEX_NAME} and no *.safetensors files; is this a model directory?")
-    weight_map = {}
-    for shard in shards:
-        try:
-            with safe_open(str(shard), framework="pt") as handle:
-                keys = list(handle.keys())
-        except Exception as exc:  # safetensors raises its own SafetensorError
-            raise WeightFormatError(f"{shard}: not a readable safetensors file ({exc})") from None
-        for key in keys:
-            if key in weight_map:
-                raise WeightFormatError(f"{directory}: tensor {key!r} is in both {weight_map[key]} and {shard.name}")
-            weight_map[key] = shard.name
-    return Checkpoint(directory, weight_map, "scan", config)
+def fp8_block_size(ckpt: Checkpoint) -> tuple[int, int]:
+    """The block-FP8 tile (rows, cols) the quantization config states, else 128 x 128."""
+    quant = ckpt.config.get("quantization_config") or ckpt.text_config.get("quantization_config") or {}
+    block = quant.get("weight_block_size")
+    if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block):
+        return (block[0], block[1])
+    return DEFAULT_FP8_BLOCK
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,11 +105,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _tensor_info(ckpt: Checkpoint, name: str) -> TensorInfo:
-    from safetensors import safe_open
-
-    with safe_open(str(ckpt.shard(name)), framework="pt") as handle:
-        sl = handle.get_slice(name)
-        return TensorInfo(name, sl.get_dtype(), tuple(sl.get_shape()))
+    entry = ckpt.entry(name)
+    return TensorInfo(name, entry.dtype, entry.shape)
 
 
 def _is_scalar(shape: tuple[int, ...]) -> bool:
@@ -185,7 +117,7 @@ def _require(ckpt: Checkpoint, module: str, suffix: str, why: str) -> TensorInfo
     name = f"{module}.{suffix}"
     if not ckpt.has(name):
         raise WeightFormatError(
-            f"{ckpt.directory}: {module} is {why} but has no `{suffix}` tensor; the checkpoint is incomplete"
+            f"{ckpt.root}: {module} is {why} but has no `{suffix}` tensor; the checkpoint is incomplete"
         )
     return _tensor_info(ckpt, name)
 
@@ -206,7 +138,7 @@ def describe_linear(ckpt: Checkpoint, module: str) -> StoredLinear:
             )
         return _describe_nvfp4(ckpt, module, packed, "nvfp4-ct", "weight_global_scale")
     if not ckpt.has(f"{module}.weight"):
-        raise WeightFormatError(f"{ckpt.directory}: no tensor {module}.weight (or .weight_packed) in the checkpoint")
+        raise WeightFormatError(f"{ckpt.root}: no tensor {module}.weight (or .weight_packed) in the checkpoint")
     weight = _tensor_info(ckpt, f"{module}.weight")
     if len(weight.shape) != 2:
         raise WeightFormatError(f"{weight.name}: expected a 2-D [out, in] weight, found shape {list(weight.shape)}")
@@ -254,7 +186,7 @@ def _describe_fp8(ckpt: Checkpoint, module: str, weight: TensorInfo) -> StoredLi
         return _fp8_block(ckpt, module, weight, scale)
     if not ckpt.has(f"{module}.weight_scale"):
         raise WeightFormatError(
-            f"{ckpt.directory}: {module} is FP8 but has neither `weight_scale` nor `weight_scale_inv`; "
+            f"{ckpt.root}: {module} is FP8 but has neither `weight_scale` nor `weight_scale_inv`; "
             "the checkpoint is incomplete"
         )
     scale = _tensor_info(ckpt, f"{module}.weight_scale")
@@ -274,7 +206,7 @@ def _describe_fp8(ckpt: Checkpoint, module: str, weight: TensorInfo) -> StoredLi
 def _fp8_block(ckpt: Checkpoint, module: str, weight: TensorInfo, scale: TensorInfo) -> StoredLinear:
     _require_scale_dtype(scale, SCALE_DTYPES, "an FP8 block scale")
     out_f, in_f = weight.shape
-    b0, b1 = ckpt.fp8_block_size()
+    b0, b1 = fp8_block_size(ckpt)
     expected = (-(-out_f // b0), -(-in_f // b1))
     if scale.shape != expected:
         raise WeightFormatError(
@@ -433,7 +365,7 @@ class LinearReader:
     def _handle(self, tensor: str):
         from safetensors import safe_open
 
-        path = self.ckpt.shard(tensor)
+        path = self.ckpt.shard_path(tensor)
         if path not in self._handles:
             self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
         return self._handles[path]

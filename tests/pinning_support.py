@@ -4,36 +4,33 @@ settings pointing into tmp_path, and the local hub-style server."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from core.profiles import Profile
 from core.settings import Settings
+from prepare.checkpoint_writer import write_checkpoint
 from tests.hub_server import FakeHub
 
 
 def write_model_files(directory: Path, *, shards: int = 2, seed: int = 0, width: int = 64) -> dict[str, bytes]:
     """A small model directory in the real formats: config, safetensors shards and their index."""
     rng = np.random.default_rng(seed)
-    directory.mkdir(parents=True, exist_ok=True)
-    weight_map = {}
-    for i in range(shards):
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = {
-            f"model.layers.{i}.mlp.down_proj.weight": rng.standard_normal((width, width)).astype(np.float32),
-            f"model.layers.{i}.input_layernorm.weight": np.ones(width, dtype=np.float32),
-        }
-        save_file(tensors, str(directory / name))
-        weight_map.update({k: name for k in tensors})
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}, indent=2)
+    write_checkpoint(
+        directory,
+        {
+            f"model-{i + 1:05d}-of-{shards:05d}.safetensors": {
+                f"model.layers.{i}.mlp.down_proj.weight": rng.standard_normal((width, width)).astype(np.float32),
+                f"model.layers.{i}.input_layernorm.weight": np.ones(width, dtype=np.float32),
+            }
+            for i in range(shards)
+        },
+        config={"architectures": ["Qwen3ForCausalLM"], "hidden_size": width},
+        index=True,
     )
-    (directory / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "hidden_size": width}))
     return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 

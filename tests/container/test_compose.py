@@ -162,7 +162,7 @@ def test_stop_grace_period_outlasts_the_servers_drain(configs, profile, tmp_path
     from core.profiles import MAX_SHUTDOWN_TIMEOUT_S, SHUTDOWN_MARGIN_S, load_profile
     from core.settings import load_settings
     from entrypoint.drain import DRAIN_ENV
-    from entrypoint.launch import render_invocation
+    from tests.support.plans import render_resolved
 
     server = configs[profile]["services"][profile]
     settings = load_settings(env_file=None, profile=profile, models_dir=tmp_path, cache_dir=tmp_path)
@@ -175,7 +175,7 @@ def test_stop_grace_period_outlasts_the_servers_drain(configs, profile, tmp_path
         from tests.support.plans import PAIR_HEAD
 
         settings = settings.model_copy(update=PAIR_HEAD)
-    drain = float(render_invocation(load_profile(profile), settings, key).env[DRAIN_ENV])
+    drain = float(render_resolved(load_profile(profile), settings, key).env[DRAIN_ENV])
     # `qwen38 serve` kills what is left at drain + SHUTDOWN_MARGIN_S (entrypoint.supervise),
     # also for the longest drain SHUTDOWN_TIMEOUT accepts: Docker's SIGKILL never comes first.
     grace = seconds(server["stop_grace_period"])
@@ -265,14 +265,14 @@ def test_the_pair_services_render_what_the_hosts_run(tmp_path):
 
     from core.profiles import load_profile
     from core.settings import load_settings
-    from entrypoint.launch import render_invocation
+    from tests.support.plans import render_resolved
 
     for name, rank, dotenv in (("spark-pair", 0, PAIR_ENV), ("spark-pair-worker", 1, WORKER_ENV)):
         env = compose_config(name, env=dotenv)["services"][name]["environment"]
         knobs = {key.lower(): value for key, value in env.items() if value != ""}
         knobs.update(models_dir=tmp_path, cache_dir=tmp_path, api_key_file=tmp_path / "api_key")
         settings = load_settings(env_file=None, **knobs)
-        inv = render_invocation(load_profile("spark-pair"), settings, SecretStr("k" * 32))
+        inv = render_resolved(load_profile("spark-pair"), settings, SecretStr("k" * 32))
         assert inv.config["node-rank"] == rank and ("--headless" in inv.argv) == (rank == 1)
         assert inv.env["VLLM_HOST_IP"] == ("192.168.100.10" if rank == 0 else "192.168.100.11")
 

@@ -331,5 +331,5 @@ def test_build_context_never_holds_secrets_models_or_the_environment_file():
         "entrypoint/__pycache__/cli.cpython-311.pyc",
     ):
         assert not _dockerignore_allows(path), path
-    for path in ("pyproject.toml", "entrypoint/cli.py", "patches/series", "docker/lock/cpu-x86_64.txt"):
+    for path in ("pyproject.toml", "entrypoint/cli/__init__.py", "patches/series", "docker/lock/cpu-x86_64.txt"):
         assert _dockerignore_allows(path), path

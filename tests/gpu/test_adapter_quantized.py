@@ -58,7 +58,7 @@ def _max_abs_diff(a: list[float], b: list[float]) -> float:
 def observed(tmp_path_factory, tiny_root) -> dict:
     from prepare.adapter import build_adapter
     from prepare.directions import read_directions, target_modules
-    from prepare.weight_formats import open_checkpoint
+    from core.checkpoint import open_checkpoint
     from tests.support.identified import seal
     from tests.support.spark_like import bf16_variant, projected, quantize_like_spark
 

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from core.manifest import MANIFEST_NAME
+from prepare.checkpoint_writer import write_checkpoint
 from prepare.directions import read_directions
 from tests.support import avx2_kernels
 from tests.support.lora_probe import PROMPTS
@@ -53,7 +54,7 @@ def _project(base: Path, out: Path, directions_path: Path) -> Path:
         r = directions.vectors[module].double()
         projected = w - directions.coefs[module] * torch.outer(r, r @ w)
         tensors[f"{module}.weight"] = projected.float()  # vLLM casts to bf16 on load
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_checkpoint(out, {"model.safetensors": tensors})
     return out
 
 

@@ -35,7 +35,8 @@ from bench.shutdown import stop_mid_stream
 from core.profiles import SHUTDOWN_MARGIN_S
 from entrypoint.auth import OPEN_PATHS
 from entrypoint.drain import SHUTDOWN_MESSAGE
-from entrypoint.lifecycle import engine_group, process_alive, processes_of_instance, read_record, record_path
+from entrypoint.lifecycle import engine_group, process_alive, processes_of_instance, read_record
+from entrypoint.run_files import record_path
 from tests.conftest import QWEN38, clean_env, free_port, launch_server, read_verdict, run_cli, stop_server, wait_ready
 from tests.support.routes import concrete, logged_routes
 from tests.support.vllm_views import env_with_vllm_view, view_without
@@ -62,7 +63,7 @@ def _gone(instance: str, timeout: float, pids: list[int] = ()) -> list[int]:
 
 def _engine_processes(server) -> list[int]:
     """The server's engine group from its run record, checked to hold vLLM's engine core."""
-    group = engine_group(read_record(record_path(server.cache_dir / "run", server.profile)))
+    group = engine_group(read_record(record_path(server.cache_dir, server.profile)))
     names = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in group]
     assert any(b"EngineCore" in name for name in names), names
     return group
@@ -233,7 +234,7 @@ def test_kill_9_of_serve_or_of_its_engine_leaves_no_process_and_no_stale_ready(
     try:
         wait_ready(second)
         assert second.status()["instance"] != first_instance
-        engine = read_record(record_path(cache / "run", "cpu"))
+        engine = read_record(record_path(cache, "cpu"))
         assert engine.supervisor_pid == second.process.pid
         group = _engine_processes(second)
         os.kill(engine.engine_pid, signal.SIGKILL)  # vLLM's API server

@@ -33,8 +33,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from core.checkpoint import open_checkpoint
+from prepare.checkpoint_writer import CheckpointWriter
 from prepare.generate import generate_model
 from prepare.int8_pack import dequantize_rows
 from prepare.requantize import requantize_checkpoint
@@ -74,18 +75,16 @@ def dequantized_copy(prepared: Path, original: Path, out: Path, modules: list[st
     """``original`` with each module's bf16 weight replaced by our int8 table dequantized
     as vLLM computes it (scales cast to the model dtype, bf16, when loaded)."""
     shutil.copytree(original, out)
-    index = json.loads((original / "model.safetensors.index.json").read_text())
-    prepared_index = json.loads((prepared / "model.safetensors.index.json").read_text())
+    source, quantized = open_checkpoint(original), open_checkpoint(prepared)
     for module in modules:
-        shard = index["weight_map"][f"{module}.weight"]
-        with safe_open(str(prepared / prepared_index["weight_map"][f"{module}.weight_packed"]), "pt") as f:
+        shard = source.weight_map[f"{module}.weight"]
+        with safe_open(str(quantized.shard_path(f"{module}.weight_packed")), "pt") as f:
             packed = f.get_tensor(f"{module}.weight_packed")
             scale = f.get_tensor(f"{module}.weight_scale").to(torch.bfloat16)
         with safe_open(str(out / shard), "pt") as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
         tensors[f"{module}.weight"] = dequantize_rows(packed, scale, 128).to(torch.bfloat16)
-        (out / shard).unlink()
-        save_file(tensors, str(out / shard), metadata={"format": "pt"})
+        CheckpointWriter(out).write_shard(shard, tensors)  # in place: the copied index still holds
     return out
 
 

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import httpx
 
-from entrypoint.lifecycle import group_members, read_record, record_path
+from entrypoint.lifecycle import group_members, read_record
+from entrypoint.run_files import record_path
 
 
 def engine_core_pid(server) -> int:
     """The ``VLLM::EngineCore`` process of ``server`` (vLLM names it with setproctitle)."""
-    record = read_record(record_path(server.cache_dir / "run", server.profile))
+    record = read_record(record_path(server.cache_dir, server.profile))
     assert record is not None, "the server has no run record (not running?)"
     cores = []
     for pid in group_members(record.engine_pid):

@@ -84,3 +84,29 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return sorted(found)
+
+
+def deferred_imports(root: Path, packages: tuple[str, ...]) -> list[tuple[str, int, str, bool]]:
+    """Imports of ``packages``' own modules made inside a function: (file, line, statement,
+    whether the import's line or the line above it carries a comment saying why)."""
+    files = module_files(root, packages)
+    found = []
+    for name, path in files.items():
+        source = path.read_text(encoding="utf-8")
+        lines = source.splitlines()
+        for function in ast.walk(ast.parse(source)):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import):
+                    targets = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    targets = [_absolute(name, path, node.level, node.module)]
+                else:
+                    continue
+                if not any(t.split(".")[0] in packages for t in targets):
+                    continue
+                here, above = lines[node.lineno - 1], lines[node.lineno - 2] if node.lineno > 1 else ""
+                said = "#" in here or above.strip().startswith("#")
+                found.append((str(path.relative_to(root)), node.lineno, here.strip(), said))
+    return sorted(found)

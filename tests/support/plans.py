@@ -85,3 +85,12 @@ def seed_plans(tmp_path_factory):
         else:
             os.environ["PYTHONPATH"] = saved
     return {case: plan for case, plan in zip(SEED_CASES, plans, strict=True)}
+
+
+def render_resolved(profile, settings, api_key, **kwargs):
+    """`entrypoint.launch.render_invocation` of the command's one resolution of ``profile`` and
+    ``settings`` (as `qwen38 render` and `qwen38 serve` resolve it, without this host's link)."""
+    from entrypoint.launch import render_invocation
+    from entrypoint.resolve import resolve
+
+    return render_invocation(profile, settings, api_key, resolved=resolve(profile, settings), **kwargs)

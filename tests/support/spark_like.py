@@ -20,9 +20,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from core.manifest import MANIFEST_NAME
+from prepare.checkpoint_writer import write_checkpoint
 from tests.support.quantize import (
     E2M1_MAX,
     FP8_MAX,
@@ -52,7 +53,7 @@ def with_vl_names(src: Path, dst: Path) -> Path:
     _copy(src, dst)
     tensors = load_file(str(src / "model.safetensors"))
     renamed = {(_VL_PREFIX + k[len("model.") :] if k.startswith("model.") else k): v for k, v in tensors.items()}
-    save_file(renamed, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    write_checkpoint(dst, {"model.safetensors": renamed})
     return dst
 
 
@@ -103,7 +104,6 @@ def quantize_like_spark(src: Path, dst: Path, modules: list[str]) -> dict[str, t
             stored["input_scale"] = torch.tensor(act / FP8_MAX)
             layers[module] = {"quant_algo": "FP8"}
         tensors.update({f"{module}.{k}": v.contiguous() for k, v in stored.items()})
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "modelopt",
@@ -113,7 +113,7 @@ def quantize_like_spark(src: Path, dst: Path, modules: list[str]) -> dict[str, t
         "quantized_layers": layers,
         "producer": {"name": "modelopt", "version": "qwen38-test"},
     }
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    write_checkpoint(dst, {"model.safetensors": tensors}, config=config)
     return dequantized
 
 
@@ -123,7 +123,7 @@ def bf16_variant(src: Path, dst: Path, weights: dict[str, torch.Tensor]) -> Path
     tensors = load_file(str(src / "model.safetensors"))
     for module, w in weights.items():
         tensors[f"{module}.weight"] = w.float().contiguous()
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    write_checkpoint(dst, {"model.safetensors": tensors})
     return dst
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from core.checkpoint import open_checkpoint
 from core.errors import AdapterError, VerifyError
 from core.identity import ArtifactIdentity, DerivedIdentity
 from core.manifest import MANIFEST_NAME, input_ref, read_manifest, sha256_file, write_manifest
@@ -21,8 +22,8 @@ from prepare.adapter import (
     lora_tensor_names,
     verify_adapter_binding,
 )
+from prepare.checkpoint_writer import write_checkpoint
 from prepare.directions import target_modules, write_directions
-from prepare.weight_formats import open_checkpoint
 from tests.support.identified import seal
 from tests.support.quantize import stored_module
 
@@ -38,7 +39,6 @@ def make_checkpoint(
 ) -> dict[str, torch.Tensor]:
     """A weights-only Qwen3.5-shaped checkpoint with its manifest; returns each target's reference W (fp32)."""
     gen = torch.Generator().manual_seed(seed)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     reference: dict[str, torch.Tensor] = {}
     modules = []
@@ -54,9 +54,8 @@ def make_checkpoint(
         stored, ref = stored_module(module, module_fmt, w)
         tensors.update(stored)
         reference[module] = ref
-    save_file(tensors, str(directory / "model.safetensors"))
     config = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": HIDDEN}
-    (directory / "config.json").write_text(json.dumps(config))
+    write_checkpoint(directory, {"model.safetensors": tensors}, config=config)
     seal(directory, fmt=fmt, prefix=prefix, seed=seed)
     return reference
 
@@ -398,7 +397,7 @@ def test_a_missing_scale_is_refused_before_anything_is_written(tmp_path):
     reference = make_checkpoint(model, "nvfp4-modelopt")
     tensors = load_file(str(model / "model.safetensors"))
     del tensors["model.layers.2.mlp.down_proj.weight_scale_2"]
-    save_file(tensors, str(model / "model.safetensors"))
+    write_checkpoint(model, {"model.safetensors": tensors})
     seal(model)
     make_directions(tmp_path / "dirs" / "d.safetensors", list(reference))
     msg = _refused(model, tmp_path / "dirs" / "d.safetensors", tmp_path / "o")
@@ -408,8 +407,7 @@ def test_a_missing_scale_is_refused_before_anything_is_written(tmp_path):
 
 def test_a_model_without_target_modules_is_refused(tmp_path):
     model = tmp_path / "base"
-    model.mkdir()
-    save_file({"encoder.dense.weight": torch.zeros(4, 4)}, str(model / "model.safetensors"))
+    write_checkpoint(model, {"model.safetensors": {"encoder.dense.weight": torch.zeros(4, 4)}})
     seal(model)
     write_directions(tmp_path / "dirs" / "d.safetensors", {"encoder.dense": torch.ones(4)}, {"encoder.dense": 1.0})
     seal(tmp_path / "dirs")

@@ -18,6 +18,7 @@ import pytest
 
 import entrypoint.verify
 from core.artifact_lock import LOCK_PATH, ArtifactLock, LockedFile, load_lock, write_lock
+from core.checkpoint import open_checkpoint
 from core.hashing import hash_files
 from core.manifest import content_files, read_manifest, write_manifest
 from core.profiles import Profile, load_profile
@@ -26,7 +27,6 @@ from prepare.adapter import build_adapter, build_profile_adapter, check_profile_
 from prepare.directions import random_directions, target_modules
 from prepare.download import default_dir, download_artifact
 from prepare.pinning import pin_local_artifact
-from prepare.weight_formats import open_checkpoint
 from tests.pinning_support import make_settings
 from tests.support.spark_like import quantize_like_spark, with_vl_names
 
@@ -155,12 +155,14 @@ def test_an_adapter_from_another_pinned_base_fails_with_one_line(spark, tmp_path
     other_key = "qwen3.8-27b-nvfp4-bf16-lmhead"
     other = tmp_path / other_key
     shutil.copytree(spark.slot_dir("target"), other)
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from prepare.checkpoint_writer import write_checkpoint
 
     tensors = load_file(str(other / "model.safetensors"))
     name = "model.language_model.layers.0.linear_attn.out_proj.weight_scale"
     tensors[name] = tensors[name] * 2
-    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+    write_checkpoint(other, {"model.safetensors": tensors})
     (other / "qwen38-manifest.json").unlink()
     lock = spark.lock()
     lock = lock.with_artifact(lock.get(BASE_KEY).model_copy(update={"key": other_key, "repo": f"RadixArk/{other_key}"}))

@@ -90,22 +90,22 @@ def test_the_guard_sees_each_kind_of_read(tmp_path):
 
 
 def _validate_key(*argv: str) -> str | None:
-    from entrypoint.validate import _target
+    from entrypoint.cli.validate import server_target
 
     args = build_parser("validate").parse_args(["validate", "apis", "--base-url", "http://127.0.0.1:1", *argv])
-    return _target(args)[1]
+    return server_target(args)[1]
 
 
 def _validate_local_key(*argv: str) -> str | None:
     """validate without --base-url: the URL from the settings, the key by the same rule."""
-    from entrypoint.validate import _target
+    from entrypoint.cli.validate import server_target
 
     args = build_parser("validate").parse_args(["validate", "apis", *argv])
-    return _target(args)[1]
+    return server_target(args)[1]
 
 
 def _bench_key(*argv: str) -> str | None:
-    from bench.serving import api_key
+    from bench.commands.server import api_key
 
     args = build_parser("bench").parse_args(
         ["bench", "c1", "--base-url", "http://127.0.0.1:1", "--model", "m", *argv]
@@ -114,7 +114,7 @@ def _bench_key(*argv: str) -> str | None:
 
 
 def _watchdog_key(*argv: str) -> str | None:
-    from bench.serving import api_key
+    from bench.commands.server import api_key
 
     args = build_parser("bench").parse_args(
         ["bench", "watchdog", "--base-url", "http://127.0.0.1:1", "--model", "m", *argv]
@@ -207,13 +207,13 @@ def _run_shutdown(monkeypatch, tmp_path, generated: bool) -> str:
     cache = tmp_path / "cache"
     (cache / "run").mkdir(parents=True, exist_ok=True)
     (cache / "run" / "cpu.vllm.yaml").write_text("shutdown-timeout: 30\n")
-    monkeypatch.setattr(startup, "_engine_env", engine_env)
-    monkeypatch.setattr(startup, "_verdict", lambda status, pid: {"ready": True})
+    monkeypatch.setattr(startup, "engine_env", engine_env)
+    monkeypatch.setattr(startup, "gate_verdict", lambda status, pid: {"ready": True})
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **kw: Process())
     monkeypatch.setattr(shutdown, "stop_mid_stream", stop_mid_stream)
     args = build_parser("bench").parse_args(["bench", "shutdown", "--profile", "cpu", "--cache-dir", str(cache)])
     with pytest.raises(Sent):
-        shutdown._cmd_shutdown(args)
+        args.func(args)
     return sent["key"]
 
 

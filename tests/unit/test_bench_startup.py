@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.startup import _engine_env
+from bench.startup import engine_env
 from core.profiles import PROFILES_DIR
 
 
@@ -14,5 +14,5 @@ def test_a_profile_from_profiles_dir_that_needs_a_key_gets_a_throwaway_one(tmp_p
     for name in ("VLLM_API_KEY", "API_KEY_FILE", "PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PROFILES_DIR", str(mine))
-    env = _engine_env("mine", tmp_path)
+    env = engine_env("mine", tmp_path)
     assert (tmp_path / "api_key").is_file() and env["API_KEY_FILE"] == str(tmp_path / "api_key")

@@ -1,4 +1,5 @@
-"""The CLI imports only the module of the command it runs, and that table is complete."""
+"""The CLI imports only the module of the command it runs (a module of `entrypoint.cli`, or
+the bench package's `bench.commands`), and that table is complete."""
 
 from __future__ import annotations
 
@@ -27,3 +28,18 @@ def test_a_command_does_not_import_the_others():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), cwd=REPO,
                           timeout=60, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_container_healthcheck_imports_only_what_it_reads(tmp_path):
+    """`qwen38 ready --quick` runs every few seconds in each container: the status file and
+    /health, never the launch, the planner, verify, the preparation steps or an engine."""
+    heavy = ("bench", "entrypoint.launch", "entrypoint.plan", "entrypoint.verify", "entrypoint.serve", "prepare",
+             "torch", "vllm", "yaml", "entrypoint.cli.serve")
+    code = (
+        "import sys; from entrypoint.cli import main; code = main(['ready', '--quick', '--profile', 'cpu']); "
+        f"print(code, sorted(m for m in {heavy!r} if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=clean_env(CACHE_DIR=str(tmp_path)), cwd=REPO, timeout=60, check=True)
+    assert done.stdout.strip() == "2 []"  # no status file yet: refused, and nothing heavy imported
+    assert "no readiness status yet" in done.stderr

@@ -140,7 +140,7 @@ def dual_findings(tmp_path, run, environ=None, **values):
     as the CLI resolves it (the link read from that nvidia-smi), then diagnosed."""
     import tempfile
 
-    from entrypoint.launch import resolve_on_this_host
+    from entrypoint.resolve import resolve_on_this_host
     from tests.support.plans import user_settings
 
     profile = load_profile("dual")

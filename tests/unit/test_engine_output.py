@@ -65,7 +65,7 @@ def _python_sources() -> str:
 
 
 def test_every_marker_is_a_message_of_the_installed_vllm_or_uvicorn():
-    from entrypoint.verify import installed_vllm
+    from entrypoint.patches import installed_vllm
 
     assert installed_vllm()[1].startswith("0.28.0")
     sources = _python_sources()
@@ -199,7 +199,7 @@ def test_a_start_that_runs_out_of_time_says_where_it_was(tmp_path):
 
     from core.profiles import load_profile
     from core.settings import Settings
-    from entrypoint.launch import status_path
+    from entrypoint.run_files import status_path
     from tests.conftest import free_port
 
     engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -209,7 +209,7 @@ def test_a_start_that_runs_out_of_time_says_where_it_was(tmp_path):
         phase = StartPhase()
         phase.see(next(line for line, p in START if p == "capturing CUDA graphs"))
         assert ready.Watcher(load_profile("cpu"), settings, None, phase=phase).run(engine.pid) == 1
-        status = json.loads(status_path(settings, "cpu").read_text())
+        status = json.loads(status_path(settings.cache_dir, "cpu").read_text())
         assert status["error"].endswith(
             "did not answer 200 within 1 s (READY_TIMEOUT); last phase in its output: capturing CUDA graphs"
         )

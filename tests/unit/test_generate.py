@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from core.checkpoint import INDEX_NAME, indexed_shards, open_checkpoint
 from core.errors import PrepareError
 from core.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from prepare import generate as gen
@@ -29,10 +30,11 @@ def small(tmp_path_factory) -> Path:
 
 
 def tensors(directory: Path, *names: str) -> dict[str, torch.Tensor]:
-    index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    checkpoint = open_checkpoint(directory)
+    assert checkpoint.source == "index"
     out = {}
     for name in names:
-        with safe_open(str(directory / index[name]), "pt") as f:
+        with safe_open(str(checkpoint.shard_path(name)), "pt") as f:
             out[name] = f.get_tensor(name)
     return out
 
@@ -134,7 +136,7 @@ def test_gptq_drafter_unpacks_to_the_scaled_codes(small):
 
 
 def test_nvfp4_target_decodes_like_vllm_and_carries_the_modelopt_table(small):
-    from prepare.weight_formats import LinearReader, describe_linear, open_checkpoint
+    from prepare.weight_formats import LinearReader, describe_linear
     from tests.support.quantize import modelopt_nvfp4_reference
 
     target = small / "qwen3.8-27b-nvfp4"
@@ -165,10 +167,9 @@ def test_every_model_has_a_manifest_that_matches_and_names_its_preset(small):
         assert manifest.identity.params == {"model": name, "preset": "small", "seed": DEFAULT_SEED}
         for entry in manifest.files:
             assert sha256_file(small / name / entry.path) == entry.sha256
-        index = small / name / "model.safetensors.index.json"
+        index = small / name / INDEX_NAME
         if index.exists():
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-            assert shards <= {f.path for f in manifest.files}
+            assert indexed_shards(index) <= {f.path for f in manifest.files}
 
 
 def test_the_tokenizer_decodes_every_id_of_the_vocabulary(small):

@@ -9,8 +9,8 @@ from pydantic import SecretStr
 
 from core.profiles import load_profile
 from core.settings import Settings
-from entrypoint.launch import render_invocation
 from tests.gpu.tiny_profiles import TINY_KV_BYTES, TINY_MAX_MODEL_LEN, derive, write_profiles
+from tests.support.plans import render_resolved
 
 KEY = SecretStr("s3cret-" + "k" * 20)
 SLOTS = {"target": "tiny/target", "drafter": "tiny/drafter2"}
@@ -34,7 +34,7 @@ def test_tiny_gpu_profile_keeps_the_engine_settings_and_vllm_parses_it(name, tmp
 
     settings = Settings(_env_file=None, profile=f"{name}-tiny", profiles_dir=directory, models_dir=tmp_path / "m",
                         cache_dir=tmp_path / "cache")
-    inv = render_invocation(tiny, settings, KEY)
+    inv = render_resolved(tiny, settings, KEY)
     inv.config_path.parent.mkdir(parents=True)
     inv.config_path.write_text(inv.config_yaml())
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(inv.argv[3:])
@@ -65,8 +65,8 @@ def test_the_tier_writes_four_profiles_and_its_reference_serves_without_the_draf
     assert sorted(p.stem for p in directory.glob("*.toml")) == sorted(KEYS.values())
     settings = Settings(_env_file=None, profile="single-nospec-tiny", profiles_dir=directory,
                         models_dir=tmp_path / "m", cache_dir=tmp_path / "cache")
-    plain = render_invocation(load_profile("single-nospec-tiny", directory), settings, KEY)
-    spec = render_invocation(load_profile("single-tiny", directory), settings.model_copy(update={"profile": "single-tiny"}), KEY)
+    plain = render_resolved(load_profile("single-nospec-tiny", directory), settings, KEY)
+    spec = render_resolved(load_profile("single-tiny", directory), settings.model_copy(update={"profile": "single-tiny"}), KEY)
     assert "speculative-config" not in plain.config and spec.config["speculative-config"]["num_speculative_tokens"] == 7
     # the same engine otherwise: the lossless comparison compares the drafter alone
     same = {k: v for k, v in plain.config.items() if k != "compilation-config"}

@@ -15,10 +15,10 @@ from core.settings import Settings
 from entrypoint.asgi import API_KEY_ENV, MIDDLEWARE_PATH
 from entrypoint.compile_cache import compile_cache_key
 from entrypoint.drain import DRAIN_ENV, ENGINE_GRACE_S
-from entrypoint.launch import ENGINE_MODULE, render_invocation
+from entrypoint.launch import ENGINE_MODULE
 from entrypoint.resolve import resolve
 from tests.conftest import clean_env, run_cli
-from tests.support.plans import PAIR_HEAD
+from tests.support.plans import PAIR_HEAD, render_resolved
 
 KEY = SecretStr("s3cret-" + "k" * 20)
 
@@ -41,7 +41,7 @@ def _isolated_env(monkeypatch):
 @pytest.mark.parametrize("name", sorted(profile_names()))
 def test_every_profile_renders_one_config_file_invocation(name):
     profile = load_profile(name)
-    inv = render_invocation(profile, settings(profile=name), KEY, python="/venv/bin/python")
+    inv = render_resolved(profile, settings(profile=name), KEY, python="/venv/bin/python")
     assert inv.argv == ["/venv/bin/python", "-m", ENGINE_MODULE, "--config", f"/cache/run/{name}.vllm.yaml"]
     assert inv.config["model"] == f"/models/{profile.models.target.dir}"
     assert inv.config["served-model-name"] == "qwen3.8-27b"
@@ -68,7 +68,7 @@ def test_every_profile_renders_one_config_file_invocation(name):
 
 
 def test_gpu_profiles_render_dflash2_depth_7_and_the_pinned_pool():
-    inv = render_invocation(load_profile("single"), settings(profile="single"), None)
+    inv = render_resolved(load_profile("single"), settings(profile="single"), None)
     assert inv.config["speculative-config"] == {
         "method": "dflash",
         "num_speculative_tokens": 7,
@@ -82,7 +82,7 @@ def test_gpu_profiles_render_dflash2_depth_7_and_the_pinned_pool():
 
 
 def test_spark_profile_serves_the_adapter_as_a_native_lora_module():
-    inv = render_invocation(load_profile("spark-lora"), settings(profile="spark-lora"), KEY)
+    inv = render_resolved(load_profile("spark-lora"), settings(profile="spark-lora"), KEY)
     assert inv.config["enable-lora"] is True and inv.config["max-lora-rank"] == 1 and inv.config["max-loras"] == 1
     (module,) = [json.loads(m) for m in inv.config["lora-modules"]]
     assert module == {
@@ -94,7 +94,7 @@ def test_spark_profile_serves_the_adapter_as_a_native_lora_module():
 
 
 def test_overrides_replace_profile_values():
-    inv = render_invocation(
+    inv = render_resolved(
         load_profile("single"),
         settings(profile="single", max_model_len=32768, max_num_seqs=2, kv_cache_memory_bytes=1 << 30,
                  speculation=False, prefix_caching=False, enable_thinking=False, port=19000, cuda_visible_devices="1"),
@@ -111,20 +111,20 @@ def test_cpu_profile_refuses_speculation_with_prefix_caching_and_says_how_to_cho
     profile = load_profile("cpu")
     assert resolve(profile, settings()).speculative is None
     with pytest.raises(SettingsError, match="set SPECULATION=false or PREFIX_CACHING=false"):
-        render_invocation(profile, settings(speculation=True), KEY)
-    inv = render_invocation(profile, settings(speculation=True, prefix_caching=False), KEY)
+        render_resolved(profile, settings(speculation=True), KEY)
+    inv = render_resolved(profile, settings(speculation=True, prefix_caching=False), KEY)
     assert inv.config["speculative-config"]["model"] == "/models/tiny/drafter"
 
 
 def test_speculation_cannot_be_forced_on_a_profile_without_a_drafter():
     profile = load_profile("cpu").model_copy(update={"speculative": None, "models": load_profile("cpu").models.model_copy(update={"drafter": None})})
     with pytest.raises(SettingsError, match="SPECULATION=true: profile cpu has no speculative decoding"):
-        render_invocation(profile, settings(speculation=True, prefix_caching=False), KEY)
+        render_resolved(profile, settings(speculation=True, prefix_caching=False), KEY)
 
 
 def test_a_profile_that_requires_a_key_refuses_to_render_without_one():
     with pytest.raises(SettingsError, match="requires an API key"):
-        render_invocation(load_profile("cpu"), settings(), None)
+        render_resolved(load_profile("cpu"), settings(), None)
 
 
 def test_compile_cache_is_keyed_by_what_shapes_the_graphs():
@@ -146,7 +146,7 @@ def test_vllms_own_parser_reads_the_rendered_config_as_intended(name, tmp_path):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     profile = load_profile(name)
-    inv = render_invocation(profile, settings(profile=name, cache_dir=tmp_path), KEY)
+    inv = render_resolved(profile, settings(profile=name, cache_dir=tmp_path), KEY)
     inv.config_path.parent.mkdir(parents=True)
     inv.config_path.write_text(inv.config_yaml())
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(inv.argv[3:])
@@ -193,19 +193,19 @@ def test_lookup_is_off_by_default_and_renders_nothing_new():
             continue
         resolved = resolve(profile, settings(profile=name, speculation=True, prefix_caching=False))
         assert resolved.speculative.lookup_tokens == 0
-        inv = render_invocation(profile, settings(profile=name, speculation=True, prefix_caching=False), KEY)
+        inv = render_resolved(profile, settings(profile=name, speculation=True, prefix_caching=False), KEY)
         assert "lookup_tokens" not in inv.config["speculative-config"]
         assert inv.config["speculative-config"]["num_speculative_tokens"] == profile.speculative.num_speculative_tokens
 
 
 def test_lookup_widens_the_verify_block_past_the_drafter_depth():
     single = load_profile("single")
-    spec = render_invocation(single, settings(profile="single", lookup=True), KEY).config["speculative-config"]
+    spec = render_resolved(single, settings(profile="single", lookup=True), KEY).config["speculative-config"]
     assert (spec["num_speculative_tokens"], spec["lookup_tokens"]) == (15, 8)  # 16 = 1 + 7 drafter + 8 lookup
-    spec = render_invocation(single, settings(profile="single", lookup=True, verify_block=12), KEY).config[
+    spec = render_resolved(single, settings(profile="single", lookup=True, verify_block=12), KEY).config[
         "speculative-config"]
     assert (spec["num_speculative_tokens"], spec["lookup_tokens"]) == (11, 4)
-    cpu = render_invocation(load_profile("cpu"), settings(lookup=True, speculation=True, prefix_caching=False), KEY)
+    cpu = render_resolved(load_profile("cpu"), settings(lookup=True, speculation=True, prefix_caching=False), KEY)
     assert (cpu.config["speculative-config"]["num_speculative_tokens"],
             cpu.config["speculative-config"]["lookup_tokens"]) == (15, 11)
 
@@ -222,7 +222,7 @@ def test_lookup_widens_the_verify_block_past_the_drafter_depth():
 )
 def test_lookup_conflicts_fail_with_one_line(values, message):
     with pytest.raises(SettingsError, match=message) as info:
-        render_invocation(load_profile(values["profile"]), settings(**values), KEY)
+        render_resolved(load_profile(values["profile"]), settings(**values), KEY)
     assert "\n" not in str(info.value)
 
 
@@ -246,7 +246,7 @@ def test_vllms_own_parser_accepts_the_lookup_speculative_config(tmp_path):
     from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    inv = render_invocation(load_profile("single"), settings(profile="single", lookup=True, cache_dir=tmp_path), KEY)
+    inv = render_resolved(load_profile("single"), settings(profile="single", lookup=True, cache_dir=tmp_path), KEY)
     inv.config_path.parent.mkdir(parents=True)
     inv.config_path.write_text(inv.config_yaml())
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(inv.argv[3:])
@@ -258,7 +258,7 @@ def test_gpu_profiles_capture_cuda_graphs_only_up_to_a_full_verify_step():
     """8 slots x (1 + 7) = 64 tokens for `single` (vLLM's default would capture to 128);
     the wider lookup block and speculation off move it; CPU profiles capture nothing."""
     def limit(name, **env):
-        inv = render_invocation(load_profile(name), settings(profile=name, **env), KEY)
+        inv = render_resolved(load_profile(name), settings(profile=name, **env), KEY)
         return (inv.config.get("compilation-config") or {}).get("max_cudagraph_capture_size")
 
     assert limit("single") == 64 and limit("long") == 32 and limit("spark-lora") == 32
@@ -268,9 +268,9 @@ def test_gpu_profiles_capture_cuda_graphs_only_up_to_a_full_verify_step():
 
 
 def test_the_drain_is_the_profiles_unless_overridden_and_vllm_drains_a_little_longer():
-    assert render_invocation(load_profile("single"), settings(profile="single"), KEY).env[DRAIN_ENV] == "20"
-    assert render_invocation(load_profile("cpu"), settings(), KEY).env[DRAIN_ENV] == "0"
-    inv = render_invocation(load_profile("cpu"), settings(shutdown_timeout=7), KEY)
+    assert render_resolved(load_profile("single"), settings(profile="single"), KEY).env[DRAIN_ENV] == "20"
+    assert render_resolved(load_profile("cpu"), settings(), KEY).env[DRAIN_ENV] == "0"
+    inv = render_resolved(load_profile("cpu"), settings(shutdown_timeout=7), KEY)
     assert inv.env[DRAIN_ENV] == "7" and inv.config["shutdown-timeout"] == 7 + ENGINE_GRACE_S
     with pytest.raises(ValidationError):
         settings(shutdown_timeout=31)  # past the bound that keeps the stop inside compose's grace period

@@ -20,7 +20,6 @@ import pytest
 from core.errors import LaunchError
 from core.profiles import load_profile
 from core.settings import Settings
-from entrypoint.launch import run_dir, status_path
 from entrypoint.lifecycle import (
     RunRecord,
     engine_group,
@@ -29,8 +28,8 @@ from entrypoint.lifecycle import (
     process_state,
     processes_of_instance,
     read_record,
-    record_path,
 )
+from entrypoint.run_files import record_path, status_path
 from entrypoint.supervise import begin_start
 from tests.conftest import REPO, free_port
 
@@ -57,14 +56,14 @@ def test_a_start_kills_the_leftovers_of_the_recorded_instance_and_nothing_else(s
     left, other = _sleeper("aaaa000011112222"), _sleeper("bbbb000011112222")
     try:
         RunRecord("cpu", "aaaa000011112222", 1, None, left.pid, None, "127.0.0.1:1").write(
-            record_path(run_dir(settings), "cpu")
+            record_path(settings.cache_dir, "cpu")
         )
         start = begin_start(load_profile("cpu"), settings)
         start.lock.release()
         assert _wait_gone(left) and left.returncode == -signal.SIGKILL
         assert other.poll() is None  # not ours: untouched
         assert f"killed 1 processes left by a killed earlier start: {left.pid} (" in capsys.readouterr().err
-        assert not record_path(run_dir(settings), "cpu").exists()
+        assert not record_path(settings.cache_dir, "cpu").exists()
     finally:
         for process in (left, other):
             process.kill()
@@ -72,7 +71,7 @@ def test_a_start_kills_the_leftovers_of_the_recorded_instance_and_nothing_else(s
 
 
 def test_a_start_forgets_the_previous_verdict_before_anything_else(settings):
-    path = status_path(settings, "cpu")
+    path = status_path(settings.cache_dir, "cpu")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"ready": True, "instance": "0" * 16}))
     begin_start(load_profile("cpu"), settings).lock.release()
@@ -393,7 +392,7 @@ def test_a_held_engine_runs_once_let_go_and_prints_what_it_printed_while_held(tm
         while processes_of_instance(instance) != [int(pid)] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert processes_of_instance(instance) == [int(pid)]
-        assert read_record(record_path(tmp_path / "cache" / "run", "cpu")).engine_pid == int(pid)
+        assert read_record(record_path(tmp_path / "cache", "cpu")).engine_pid == int(pid)
         time.sleep(1.0)  # the engine imports, then waits for its word
         assert process_state(int(pid)) in ("S", "R")
         out, err = supervisor.communicate("\n", timeout=30)
@@ -402,7 +401,7 @@ def test_a_held_engine_runs_once_let_go_and_prints_what_it_printed_while_held(tm
     assert supervisor.returncode == 1  # an engine that exits by itself: the supervisor says so
     assert out.splitlines() == ["imported while held", "served"]
     assert "a warning while held" in err and "exited on its own (exit 0)" in err
-    assert not record_path(tmp_path / "cache" / "run", "cpu").exists()
+    assert not record_path(tmp_path / "cache", "cpu").exists()
 
 
 def test_an_abandoned_engine_is_gone_at_once_with_nothing_it_printed(tmp_path):
@@ -418,7 +417,7 @@ def test_an_abandoned_engine_is_gone_at_once_with_nothing_it_printed(tmp_path):
     assert supervisor.returncode == 2 and out.splitlines() == ["abandoned"], (out, err)
     assert err == "" and took < 5.0, took  # nothing of the engine's shows; no grace period waited
     assert process_state(int(pid)) is None and processes_of_instance(instance) == []
-    assert not record_path(tmp_path / "cache" / "run", "cpu").exists()
+    assert not record_path(tmp_path / "cache", "cpu").exists()
 
 
 def test_an_engine_that_dies_while_held_is_reported_when_let_go(tmp_path):

@@ -182,3 +182,160 @@ def test_a_known_hash_whose_size_no_longer_matches_is_not_trusted(tmp_path):
     assert manifest.by_path()["a.bin"].sha256 == hashlib.sha256(b"abcd").hexdigest()
     with pytest.raises(ValueError, match="not both"):
         write_manifest(out, TINY, files={"a.bin": "0" * 64}, linked={"a.bin": LinkedFile(src / "a.bin", 4, "f" * 64)})
+
+
+# ---- the one freshness check: core.manifest.is_current / current_manifest / files_match ----
+
+
+def _prepared(tmp_path, identity=TINY):
+    """A directory of three files and its manifest: (directory, manifest)."""
+    d = tmp_path / "m"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.bin").write_bytes(b"aaaa")
+    (d / "b.bin").write_bytes(b"bb")
+    (d / "sub" / "c.bin").write_bytes(b"c")
+    return d, write_manifest(d, identity)
+
+
+def test_a_directory_as_its_manifest_lists_it_is_current(tmp_path):
+    from core.manifest import current_manifest, file_mismatches, files_match, is_current
+
+    d, manifest = _prepared(tmp_path)
+    assert is_current(d) and is_current(d, TINY) and is_current(d, manifest)
+    assert is_current(d, lambda m: m.identity.generator == "tiny")
+    assert current_manifest(d, TINY) == manifest
+    assert files_match(d, manifest) and files_match(d, manifest, sha256=True)
+    assert file_mismatches(d, manifest) == []
+    assert is_current(str(d), TINY, sha256=True)
+
+
+def test_another_identity_or_manifest_is_not_current(tmp_path):
+    from core.manifest import build_manifest, current_manifest, is_current
+
+    d, manifest = _prepared(tmp_path)
+    other = GeneratedIdentity(generator="tiny", generator_version="1", params={"seed": 1})
+    assert not is_current(d, other)
+    assert current_manifest(d, other) is None
+    assert not is_current(d, lambda m: False)
+    # The same identity with other files is another manifest: a lock's expected manifest
+    # is compared by digest, identity and files together.
+    elsewhere = build_manifest(TINY, [f.model_copy(update={"sha256": "0" * 64}) for f in manifest.files])
+    assert elsewhere.identity == manifest.identity and not is_current(d, elsewhere)
+
+
+def test_a_missing_or_broken_manifest_is_not_current(tmp_path):
+    from core.manifest import is_current
+
+    assert not is_current(tmp_path / "absent")
+    assert not is_current(tmp_path / "absent", TINY, sizes=False)
+    d, _ = _prepared(tmp_path)
+    (d / MANIFEST_NAME).write_text("{not json")
+    assert not is_current(d) and not is_current(d, sizes=False)
+    (d / MANIFEST_NAME).unlink()
+    (d / MANIFEST_NAME).mkdir()  # a directory where the manifest should be
+    assert not is_current(d)
+
+
+def test_a_file_at_another_size_missing_or_unlisted_is_not_current(tmp_path):
+    from core.manifest import FileMismatch, file_mismatches, files_match, is_current
+
+    d, manifest = _prepared(tmp_path)
+    (d / "a.bin").write_bytes(b"aaaaa")  # grown
+    (d / "sub" / "c.bin").unlink()  # missing
+    (d / "z.bin").write_bytes(b"z")  # not listed
+    (d / "d.bin").write_bytes(b"d")  # not listed
+    mismatches = file_mismatches(d, manifest)
+    assert mismatches == [
+        FileMismatch("a.bin", 4, 5),
+        FileMismatch("sub/c.bin", 1, None),
+        FileMismatch("d.bin", None, None),
+        FileMismatch("z.bin", None, None),
+    ]  # listed files in the manifest's order, then unlisted ones sorted
+    assert [m.kind for m in mismatches] == ["size", "missing", "extra", "extra"]
+    assert not files_match(d, manifest) and not is_current(d, TINY)
+    assert is_current(d, TINY, sizes=False)  # identity only: what the tiny step asks without --recheck
+
+
+@pytest.mark.parametrize("change", ["grown", "missing", "extra", "dangling", "loop", "directory"])
+def test_each_way_out_of_step_fails_sizes_and_recheck_alike(tmp_path, change):
+    import os
+
+    from core.manifest import files_match, is_current
+
+    d, manifest = _prepared(tmp_path)
+    if change == "grown":
+        (d / "b.bin").write_bytes(b"bbb")
+    elif change == "missing":
+        (d / "b.bin").unlink()
+    elif change == "extra":
+        (d / "sub" / "e.bin").write_bytes(b"e")
+    elif change == "dangling":  # a listed file replaced by a link to nothing
+        (d / "b.bin").unlink()
+        os.symlink(tmp_path / "nowhere", d / "b.bin")
+    elif change == "loop":  # a link to itself: not there, and no OSError escapes
+        (d / "b.bin").unlink()
+        os.symlink("b.bin", d / "b.bin")
+    else:  # a directory of the listed size's name: not a content file
+        (d / "b.bin").unlink()
+        (d / "b.bin").mkdir()
+    assert not files_match(d, manifest)
+    assert not files_match(d, manifest, sha256=True)
+    assert not is_current(d, TINY)
+    assert not is_current(d, TINY, sizes=False, sha256=True)
+
+
+def test_hidden_files_and_a_symlinked_listed_file_at_its_size_stay_current(tmp_path):
+    import os
+
+    from core.manifest import is_current
+
+    d, _ = _prepared(tmp_path)
+    (d / ".qwen38-staging").mkdir()
+    (d / ".qwen38-staging" / "x.part").write_bytes(b"partial")
+    (d / ".lock").write_bytes(b"")
+    kept = tmp_path / "kept.bin"
+    (d / "b.bin").rename(kept)
+    os.symlink(kept, d / "b.bin")  # a link counts at the size of what it points to
+    assert is_current(d, TINY, sha256=True)
+
+
+def test_a_same_size_edit_passes_sizes_and_fails_only_the_recheck(tmp_path):
+    from core.manifest import current_manifest, is_current
+
+    d, manifest = _prepared(tmp_path)
+    (d / "a.bin").write_bytes(b"aaab")
+    assert current_manifest(d, TINY) == manifest
+    assert not is_current(d, TINY, sha256=True)
+    assert not is_current(d, TINY, sizes=False, sha256=True)
+
+
+@pytest.mark.parametrize("change", ["missing", "size", "extra"])
+def test_the_input_guards_word_each_mismatch_as_before(tmp_path, change):
+    """`prepare.derived.check_input_files` and the adapter's input check refuse the first
+    `file_mismatches` entry, each in its own words."""
+    from core.errors import AdapterError
+    from prepare.adapter import _input_manifest
+    from prepare.derived import check_input_files
+
+    d, manifest = _prepared(tmp_path)
+    if change == "missing":
+        (d / "b.bin").unlink()
+        derived = f"{d / 'b.bin'}: listed in {d / MANIFEST_NAME} but missing; re-verify the download"
+        adapter = f"{d / 'b.bin'}: listed in its {MANIFEST_NAME} but missing; "
+    elif change == "size":
+        (d / "b.bin").write_bytes(b"bbbbb")
+        derived = f"{d / 'b.bin'}: 5 bytes, its manifest says 2; re-verify the download before preparing"
+        adapter = f"{d / 'b.bin'}: size expected 2 (its {MANIFEST_NAME}), found 5; "
+    else:
+        (d / "sub" / "x.bin").write_bytes(b"x")
+        derived = (
+            f"{d / 'sub' / 'x.bin'}: not in {d / MANIFEST_NAME} (expected absent); remove it or re-download "
+            "the input before preparing"
+        )
+        adapter = f"{d / 'sub' / 'x.bin'}: not in {d / MANIFEST_NAME} (an unverified file); "
+    with pytest.raises(PrepareError) as info:
+        check_input_files(d, manifest)
+    assert str(info.value) == derived
+    with pytest.raises(AdapterError) as info:
+        _input_manifest(d, "directions")
+    assert str(info.value).startswith(adapter)

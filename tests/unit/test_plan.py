@@ -56,7 +56,7 @@ def test_weight_quantization_is_dropped_from_the_copy_vllm_reads(tmp_path):
 
 def test_overrides_from_settings_reach_the_request_and_an_unpinned_pool_is_refused(tmp_path):
     resolved, configs = _inputs("single", tmp_path, max_model_len=32768, prefix_caching=False)
-    engine = build_request(resolved, configs, tmp_path / "w")["engine"]
+    engine = build_request(resolved, configs, tmp_path / "w")["engine_args"]
     assert engine["max_model_len"] == 32768 and engine["max_num_seqs"] == 8
     assert engine["enable_prefix_caching"] is False
     unpinned = resolved.model_copy(update={"kv_cache_memory_bytes": None})
@@ -68,10 +68,11 @@ def test_request_carries_the_drafter_and_the_gpu(tmp_path):
     resolved, configs = _inputs("long", tmp_path)
     request = build_request(resolved, configs, tmp_path / "w")
     assert request["platform"] == "cuda" and request["device_capability"] == [8, 6]
-    assert request["speculative"]["method"] == "dflash" and request["speculative"]["num_speculative_tokens"] == 7
+    speculative = request["engine_args"]["speculative_config"]
+    assert speculative["method"] == "dflash" and speculative["num_speculative_tokens"] == 7
     assert configs.sources()["drafter"].endswith("qwen3.8-27b-dflash2-w4a16/config.json")
     resolved, configs = _inputs("long", tmp_path, speculation=False)
-    assert build_request(resolved, configs, tmp_path / "x")["speculative"] is None
+    assert build_request(resolved, configs, tmp_path / "x")["engine_args"].get("speculative_config") is None
     assert configs.drafter is None  # a drafter that does not run is not read either
 
 
@@ -79,9 +80,9 @@ def test_cpu_plan_has_no_drafter_unless_speculation_is_turned_on(tiny_root, tmp_
     """The `cpu` profile ships with speculation off: the planner must not count the drafter
     the launch leaves off (it once planned 21,425 tokens where the engine had 64,275)."""
     resolved, configs = _inputs("cpu", tiny_root)
-    assert build_request(resolved, configs, tmp_path / "a")["speculative"] is None
+    assert build_request(resolved, configs, tmp_path / "a")["engine_args"].get("speculative_config") is None
     resolved, configs = _inputs("cpu", tiny_root, speculation=True, prefix_caching=False)
-    spec = build_request(resolved, configs, tmp_path / "b")["speculative"]
+    spec = build_request(resolved, configs, tmp_path / "b")["engine_args"]["speculative_config"]
     assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 4
 
 
@@ -102,9 +103,9 @@ def test_lookup_widens_the_speculative_width_the_planner_reserves(tiny_root, tmp
         *_inputs("cpu", tiny_root, speculation=True, prefix_caching=False, lookup=True, verify_block=16),
         tmp_path / "b",
     )
-    assert off["speculative"]["num_speculative_tokens"] == 4
-    assert on["speculative"]["num_speculative_tokens"] == 15
-    assert "lookup_tokens" not in on["speculative"]  # stock trees plan the same width
+    assert off["engine_args"]["speculative_config"]["num_speculative_tokens"] == 4
+    assert on["engine_args"]["speculative_config"]["num_speculative_tokens"] == 15
+    assert "lookup_tokens" not in on["engine_args"]["speculative_config"]  # stock trees plan the same width
 
 
 @pytest.mark.parametrize("name", ["single", "long", "spark-lora"])
@@ -114,9 +115,10 @@ def test_lookup_on_a_dflash2_profile_is_planned_with_the_wider_block(tmp_path, n
     resolved, configs = _inputs(name, tmp_path, lookup=True)
     assert configs.drafter is not None and "DFlash2DraftModel" in configs.drafter.data["architectures"]
     check_plannable(resolved, configs)
-    assert build_request(resolved, configs, tmp_path / "w")["speculative"]["num_speculative_tokens"] == 15
+    request = build_request(resolved, configs, tmp_path / "w")
+    assert request["engine_args"]["speculative_config"]["num_speculative_tokens"] == 15
     narrower = build_request(*_inputs(name, tmp_path, lookup=True, verify_block=12), tmp_path / "x")
-    assert narrower["speculative"]["num_speculative_tokens"] == 11
+    assert narrower["engine_args"]["speculative_config"]["num_speculative_tokens"] == 11
 
 
 @pytest.mark.slow

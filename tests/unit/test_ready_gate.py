@@ -8,7 +8,7 @@ import sys
 
 from core.profiles import load_profile
 from core.settings import Settings
-from entrypoint.launch import status_path
+from entrypoint.run_files import status_path
 from entrypoint.ready import Watcher, base_url_for
 from tests.conftest import free_port
 
@@ -22,7 +22,7 @@ def test_a_gate_that_cannot_pass_stops_the_engine_and_records_why(tmp_path):
         code = Watcher(load_profile("cpu"), settings, None).run(engine.pid)
         assert code == 1
         assert engine.wait(timeout=10) == -15  # SIGTERM from the watcher
-        status = json.loads(status_path(settings, "cpu").read_text())
+        status = json.loads(status_path(settings.cache_dir, "cpu").read_text())
         assert status["ready"] is False and "did not answer 200 within 2 s" in status["error"]
     finally:
         engine.kill()

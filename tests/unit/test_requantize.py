@@ -17,11 +17,12 @@ import torch
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from core.checkpoint import open_checkpoint
 from core.errors import PrepareError
 from core.identity import ArtifactIdentity, DerivedIdentity, InputRef
 from core.manifest import MANIFEST_NAME, read_manifest, sha256_file, write_manifest
+from prepare.checkpoint_writer import write_checkpoint
 from prepare.generate import generate_model
 from prepare.requantize import TRANSFORM_VERSION, requantize_checkpoint
 
@@ -52,13 +53,14 @@ def tree_digest(directory: Path) -> dict[str, str]:
 
 
 def tensors_of(directory: Path) -> dict[str, torch.Tensor]:
-    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    checkpoint = open_checkpoint(directory)
+    assert checkpoint.source == "index"
     out = {}
-    for shard in sorted(set(index["weight_map"].values())):
+    for shard in sorted(checkpoint.shards):
         with safe_open(str(directory / shard), "pt") as f:
             for name in f.keys():
                 out[name] = f.get_tensor(name)
-    assert set(out) == set(index["weight_map"])
+    assert set(out) == set(checkpoint.weight_map)
     return out
 
 
@@ -196,16 +198,12 @@ def test_new_options_rebuild_the_output_whole(targets, tmp_path):
 
 def test_single_file_checkpoint_without_quantization_config(tmp_path):
     src = tmp_path / "single"
-    src.mkdir()
     g = torch.Generator().manual_seed(0)
-    save_file(
-        {
-            "lm_head.weight": torch.randn(64, 256, generator=g).to(torch.bfloat16),
-            "model.norm.weight": torch.ones(256, dtype=torch.bfloat16),
-        },
-        str(src / "model.safetensors"),
-    )
-    (src / "config.json").write_text(json.dumps({"architectures": ["X"], "tie_word_embeddings": False}))
+    tensors = {
+        "lm_head.weight": torch.randn(64, 256, generator=g).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(256, dtype=torch.bfloat16),
+    }
+    write_checkpoint(src, {"model.safetensors": tensors}, config={"architectures": ["X"], "tie_word_embeddings": False})
     requantize_checkpoint(src, tmp_path / "out", ["lm_head"])
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors", MANIFEST_NAME]
     qc = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
@@ -377,19 +375,14 @@ def big_checkpoint(directory: Path) -> Path:
     """A checkpoint whose lm_head takes a few seconds to requantize (kill window)."""
     directory.mkdir()
     g = torch.Generator().manual_seed(7)
-    save_file(
-        {"model.embed_tokens.weight": torch.randn(4096, 1024, generator=g).to(torch.bfloat16)},
-        str(directory / "a.safetensors"),
+    write_checkpoint(
+        directory,
+        {
+            "a.safetensors": {"model.embed_tokens.weight": torch.randn(4096, 1024, generator=g).to(torch.bfloat16)},
+            "b.safetensors": {"lm_head.weight": torch.randn(131072, 1024, generator=g).to(torch.bfloat16)},
+        },
+        config={"architectures": ["X"], "tie_word_embeddings": False},
     )
-    save_file(
-        {"lm_head.weight": torch.randn(131072, 1024, generator=g).to(torch.bfloat16)}, str(directory / "b.safetensors")
-    )
-    index = {
-        "metadata": {},
-        "weight_map": {"model.embed_tokens.weight": "a.safetensors", "lm_head.weight": "b.safetensors"},
-    }
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
-    (directory / "config.json").write_text(json.dumps({"architectures": ["X"], "tie_word_embeddings": False}))
     return directory
 
 

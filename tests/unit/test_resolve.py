@@ -13,11 +13,11 @@ from pydantic import SecretStr
 from core.errors import SettingsError
 from core.profiles import load_profile, profile_names
 from entrypoint.compile_cache import COMPILE_IGNORED, compile_cache_key
-from entrypoint.launch import render_invocation
-from entrypoint.model_configs import read_model_configs
+from entrypoint.engine_args import KV_SHAPING
+from entrypoint.model_configs import max_positions, read_model_configs
 from entrypoint.plan import PLAN_IGNORED, build_request, plan_profile
-from entrypoint.resolve import field_paths, max_positions, resolve
-from tests.support.plans import user_settings
+from entrypoint.resolve import field_paths, resolve
+from tests.support.plans import render_resolved, user_settings
 
 KEY = SecretStr("s3cret-" + "k" * 20)
 
@@ -36,31 +36,31 @@ def test_the_planner_plans_exactly_what_the_launch_renders(name, speculation, pr
     models = tiny_root if profile.platform == "cpu" else tmp_path
     settings = user_settings(name, models_dir=models, speculation=speculation, prefix_caching=prefix_caching)
     resolved = resolve(profile, settings)
-    config = render_invocation(profile, settings, KEY).config
+    config = render_resolved(profile, settings, KEY).config
     request = build_request(resolved, read_model_configs(profile, resolved, models), tmp_path / "w")
-    engine = request["engine"]
-    rendered = {
-        "max_model_len": config["max-model-len"],
-        "max_num_seqs": config["max-num-seqs"],
-        "kv_cache_memory_bytes": config["kv-cache-memory-bytes"],
-        "enable_prefix_caching": config["enable-prefix-caching"],
-        "kv_cache_dtype": config["kv-cache-dtype"],
-        "mamba_ssm_cache_dtype": config["mamba-ssm-cache-dtype"],
-        "dtype": config["dtype"],
-        "block_size": config.get("block-size"),
-        "tensor_parallel_size": config.get("tensor-parallel-size", 1),
-    }
-    assert {k: engine[k] for k in rendered} == rendered
-    assert engine["enable_prefix_caching"] is prefix_caching
-    if "max-num-batched-tokens" in config:
-        assert engine["max_num_batched_tokens"] == config["max-num-batched-tokens"]
+    planned = request["engine_args"]
+    # Both come from `engine_args`: every argument that shapes the KV cache is the rendered one,
+    # but for the three the planner owns (the models' shape-only copies, the batch where vLLM's
+    # default for the device decides, and lookup drafting as its width alone).
+    for arg in KV_SHAPING:
+        keyword = arg.replace("-", "_")
+        if arg in ("model", "speculative-config"):
+            continue
+        if arg == "max-num-batched-tokens" and arg not in config:
+            assert planned[keyword] > 0
+            continue
+        assert planned.get(keyword) == config.get(arg), arg
+    assert set(planned) <= {arg.replace("-", "_") for arg in KV_SHAPING}
+    assert planned["enable_prefix_caching"] is prefix_caching
     assert request["attention_backend"] == config.get("attention-backend")
     spec = config.get("speculative-config")
-    assert (spec is None) == (request["speculative"] is None) == (not speculation)
+    assert (spec is None) == (planned.get("speculative_config") is None) == (not speculation)
     if spec:
-        assert request["speculative"]["num_speculative_tokens"] == spec["num_speculative_tokens"]
-        assert request["speculative"]["method"] == spec["method"]
-        assert ("model" in request["speculative"]) == ("model" in spec)
+        drafted = planned["speculative_config"]
+        assert {k: v for k, v in spec.items() if k not in ("model", "lookup_tokens")} == {
+            k: v for k, v in drafted.items() if k != "model"
+        }
+        assert ("model" in drafted) == ("model" in spec)
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_the_planner_plans_exactly_what_the_launch_renders(name, speculation, pr
 def test_conflicts_are_one_settings_error_for_render_and_plan(profile, values, message, tmp_path):
     settings = user_settings(profile, models_dir=tmp_path, **values)
     with pytest.raises(SettingsError, match=message) as rendered:
-        render_invocation(load_profile(profile), settings, KEY)
+        render_resolved(load_profile(profile), settings, KEY)
     with pytest.raises(SettingsError, match=message) as planned:
         plan_profile(load_profile(profile), settings)
     assert str(rendered.value) == str(planned.value) and "\n" not in str(planned.value)
@@ -91,11 +91,11 @@ def test_lookup_on_a_gpu_profile_renders_and_plans_the_same_wider_block(name, tm
     resolved = resolve(profile, settings)
     spec = resolved.speculative
     assert (spec.drafter_tokens, spec.lookup_tokens, spec.num_speculative_tokens) == (7, 8, 15)
-    config = render_invocation(profile, settings, KEY).config
+    config = render_resolved(profile, settings, KEY).config
     assert config["speculative-config"]["num_speculative_tokens"] == 15
     assert config["speculative-config"]["lookup_tokens"] == 8
     request = build_request(resolved, read_model_configs(profile, resolved, tmp_path), tmp_path / "w")
-    assert request["speculative"]["num_speculative_tokens"] == 15
+    assert request["engine_args"]["speculative_config"]["num_speculative_tokens"] == 15
     assert resolved.cudagraph_capture_limit == resolved.max_num_seqs * 16
     assert config["compilation-config"]["max_cudagraph_capture_size"] == resolved.max_num_seqs * 16
 

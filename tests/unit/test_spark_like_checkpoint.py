@@ -7,9 +7,9 @@ import json
 import torch
 from safetensors.torch import load_file
 
+from core.checkpoint import open_checkpoint
 from prepare.adapter import build_adapter
 from prepare.directions import random_directions, read_directions, target_modules
-from prepare.weight_formats import open_checkpoint
 from tests.support.identified import seal
 from tests.support.spark_like import quantize_like_spark, with_vl_names
 

@@ -14,12 +14,12 @@ from core.errors import SettingsError
 from core.profiles import load_profile
 from core.settings import Settings
 from entrypoint.compile_cache import compile_cache_key
-from entrypoint.launch import ENGINE_MODULE, render_invocation
-from entrypoint.resolve import check_allocator, resolve
+from entrypoint.launch import ENGINE_MODULE, check_allocator, render_invocation
+from entrypoint.resolve import resolve
 from entrypoint.topology import link_between, parse_topology
 from tests.conftest import clean_env, run_cli
 from tests.support import nvidia_smi_samples as smi
-from tests.support.plans import PAIR_HEAD, PAIR_WORKER
+from tests.support.plans import PAIR_HEAD, PAIR_WORKER, render_resolved
 
 KEY = SecretStr("s3cret-" + "k" * 20)
 
@@ -155,7 +155,7 @@ def test_vllms_parser_reads_the_workers_flags_as_a_headless_rank_1(tmp_path):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     profile = load_profile("spark-pair")
-    inv = render_invocation(profile, Settings(_env_file=None, profile="spark-pair", cache_dir=tmp_path, **PAIR_WORKER),
+    inv = render_resolved(profile, Settings(_env_file=None, profile="spark-pair", cache_dir=tmp_path, **PAIR_WORKER),
                             KEY)
     inv.config_path.parent.mkdir(parents=True)
     inv.config_path.write_text(inv.config_yaml())
@@ -190,7 +190,7 @@ def test_a_pair_plans_without_its_link_knobs(tmp_path):
     profile = load_profile("spark-pair")
     resolved = resolve(profile, settings("spark-pair"))
     request = build_request(resolved, read_model_configs(profile, resolved, Path("/models")), tmp_path)
-    assert request["engine"]["tensor_parallel_size"] == 2
+    assert request["engine_args"]["tensor_parallel_size"] == 2
 
 
 def test_render_on_a_host_without_nvidia_smi_says_pcie_and_keeps_it_safe():

@@ -343,7 +343,7 @@ def test_a_derived_directory_from_another_transform_fails(pinned):
 
 def test_installed_vllm_is_read_from_metadata_without_importing_it():
     code = (
-        "import sys; from entrypoint.verify import installed_vllm, find_vllm_dir; "
+        "import sys; from entrypoint.patches import installed_vllm, find_vllm_dir; "
         "print(installed_vllm(), find_vllm_dir() is not None, 'vllm' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -7,14 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from core.checkpoint import open_checkpoint
+from core.errors import PrepareError
+from prepare.checkpoint_writer import CheckpointWriter, write_checkpoint
 from prepare.weight_formats import (
     LinearReader,
     WeightFormatError,
     decode_e2m1,
     describe_linear,
-    open_checkpoint,
+    fp8_block_size,
+    linear_modules,
 )
 from tests.support.quantize import stored_module
 
@@ -22,13 +25,13 @@ FORMATS = ["bf16", "fp8-tensor", "fp8-channel", "fp8-block", "nvfp4-modelopt", "
 
 
 def _write(directory: Path, tensors: dict[str, torch.Tensor], name: str = "model.safetensors") -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / name))
+    """One shard of a weights-only checkpoint (no config.json, no index)."""
+    CheckpointWriter(directory).write_shard(name, tensors)
     return directory
 
 
 def _decode_all(directory: Path, module: str, row_chunk: int) -> tuple[str, torch.Tensor]:
-    ckpt = open_checkpoint(directory)
+    ckpt = open_checkpoint(directory, require_config=False)
     linear = describe_linear(ckpt, module)
     with LinearReader(ckpt, linear) as reader:
         rows = [block for _s, _e, block in reader.row_blocks(row_chunk)]
@@ -90,12 +93,10 @@ def test_index_is_followed_across_shards_when_present(tmp_path):
     # weight in one shard, scales in another: the index says where each lives
     first = {names[0]: tensors[names[0]]}
     rest = {n: tensors[n] for n in names[1:]}
-    _write(tmp_path, first, "model-00001-of-00002.safetensors")
-    _write(tmp_path, rest, "model-00002-of-00002.safetensors")
-    index = {"metadata": {}, "weight_map": {n: "model-00001-of-00002.safetensors" for n in first}}
-    index["weight_map"].update({n: "model-00002-of-00002.safetensors" for n in rest})
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    ckpt = open_checkpoint(tmp_path)
+    write_checkpoint(
+        tmp_path, {"model-00001-of-00002.safetensors": first, "model-00002-of-00002.safetensors": rest}, index=True
+    )
+    ckpt = open_checkpoint(tmp_path, require_config=False)
     assert ckpt.source == "index"
     _fmt, decoded = _decode_all(tmp_path, "model.layers.0.self_attn.o_proj", 5)
     assert torch.equal(decoded, reference)
@@ -104,29 +105,33 @@ def test_index_is_followed_across_shards_when_present(tmp_path):
 def test_shards_are_scanned_without_an_index(tmp_path):
     _write(tmp_path, {"a.weight": torch.zeros(2, 2, dtype=torch.bfloat16)}, "one.safetensors")
     _write(tmp_path, {"b.weight": torch.ones(2, 2, dtype=torch.bfloat16)}, "two.safetensors")
-    ckpt = open_checkpoint(tmp_path)
+    ckpt = open_checkpoint(tmp_path, require_config=False)
     assert ckpt.source == "scan"
     assert ckpt.weight_map == {"a.weight": "one.safetensors", "b.weight": "two.safetensors"}
+    assert linear_modules(ckpt) == ["a", "b"]
+    assert ckpt.config == {} and fp8_block_size(ckpt) == (128, 128)
+    with pytest.raises(PrepareError, match="config.json: missing"):
+        open_checkpoint(tmp_path)  # a checkpoint to transform needs its config
 
 
 def test_a_tensor_in_two_shards_is_refused(tmp_path):
     _write(tmp_path, {"a.weight": torch.zeros(2, 2)}, "one.safetensors")
     _write(tmp_path, {"a.weight": torch.zeros(2, 2)}, "two.safetensors")
-    with pytest.raises(WeightFormatError, match="a.weight.*both"):
-        open_checkpoint(tmp_path)
+    with pytest.raises(PrepareError, match="a.weight.*both"):
+        open_checkpoint(tmp_path, require_config=False)
 
 
 def test_index_naming_a_missing_shard_is_refused(tmp_path):
     tmp_path.mkdir(exist_ok=True)
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a.weight": "gone.safetensors"}}))
-    with pytest.raises(WeightFormatError, match="gone.safetensors"):
-        open_checkpoint(tmp_path)
+    with pytest.raises(PrepareError, match="gone.safetensors"):
+        open_checkpoint(tmp_path, require_config=False)
 
 
 def _refusal(tmp_path: Path, tensors: dict[str, torch.Tensor], module: str = "m") -> str:
     _write(tmp_path, tensors)
     with pytest.raises(WeightFormatError) as info:
-        describe_linear(open_checkpoint(tmp_path), module)
+        describe_linear(open_checkpoint(tmp_path, require_config=False), module)
     message = str(info.value)
     assert "\n" not in message
     return message

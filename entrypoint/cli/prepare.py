@@ -1,21 +1,24 @@
 """`qwen38 prepare`: the preparation steps, each a subcommand.
 
-Each step module exposes ``register(subparsers)`` and is listed in `STEP_MODULES`;
-``qwen38 prepare --profile P`` (no step named) runs every step the profile still needs.
-Every one of these commands records what it hashes (`core.proofs`) and leaves it in
-verify's stat cache under CACHE_DIR when it ends (`core.stat_cache.leave_proofs`):
-the first `qwen38 serve` then verifies those files without reading them again.
+Each step's CLI module (`STEPS`) registers its subcommand with ``register(subparsers)``;
+``qwen38 prepare --profile P`` (no step named) runs every step the profile still needs
+(`prepare.pipeline`). Every one of these commands records what it hashes and leaves it in
+verify's stat cache under CACHE_DIR when it ends (`prepare.stat_cache_proofs`): the first
+`qwen38 serve` then verifies those files without reading them again.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib
-import sys
 from pathlib import Path
 
-STEP_MODULES: tuple[str, ...] = ("prepare.download", "prepare.requantize", "prepare.draft_vocab")
+from core.artifact_lock import LOCK_PATH
+from core.progress import say
+from entrypoint.cli import download, draft_vocab, requantize
+from prepare.stat_cache_proofs import leaving_proofs
+
+STEPS = (download, requantize, draft_vocab)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,8 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--lock", dest="profile_lock", default=None, help=argparse.SUPPRESS)
     steps = parser.add_subparsers(dest="step", metavar="STEP")
-    for name in STEP_MODULES:
-        importlib.import_module(name).register(steps)
+    for step_cli in STEPS:
+        step_cli.register(steps)
     for step in dict.fromkeys(steps.choices.values()):
         if step.get_default("func") is not None:
             step.set_defaults(func=_leaving_proofs(step.get_default("func")))
@@ -52,11 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_prepare_profile(args: argparse.Namespace) -> int:
+    # A whole profile: its file, the settings and the pipeline, which a named step never needs.
     from core import profiles
-    from core.artifact_lock import LOCK_PATH
-    from core.progress import say
-    from core.settings import load_settings
-    from prepare.pipeline import HubAccess, prepare_profile
+    from core.settings import load_settings  # (pydantic-settings: not at the parser's start)
+    from prepare.pipeline import HubAccess, prepare_profile  # (every step's code: only for a whole profile)
 
     settings = load_settings(profile=args.profile)
     profile = profiles.load_profile(settings.profile, settings.profiles_dir)
@@ -84,36 +86,7 @@ def _leaving_proofs(command):
 
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
-        from core.proofs import recording
-
-        with recording() as ledger:
-            try:
-                return command(args)
-            finally:
-                if ledger.directories():
-                    _leave_in_stat_cache(ledger, getattr(args, "profile", None))
+        with leaving_proofs(getattr(args, "profile", None)):
+            return command(args)
 
     return run
-
-
-def _leave_in_stat_cache(ledger, profile: str | None) -> None:
-    from core.errors import StackError
-    from core.progress import say
-    from core.settings import load_settings
-    from core.stat_cache import CACHE_FILE, StatCache, leave_proofs
-
-    try:
-        cache_dir = Path(load_settings(profile=profile).cache_dir)
-    except StackError:
-        return  # the command has said what is wrong with the settings
-    cache = StatCache.load(cache_dir / CACHE_FILE)
-    recorded = leave_proofs(cache, ledger)
-    try:
-        cache.save()
-    except OSError as exc:
-        say(f"qwen38: prepare: cannot write the stat cache {cache.path} ({exc}); the first verify will hash "
-            "every file again", level="warning", file=sys.stderr)
-        return
-    if recorded:
-        say(f"qwen38: prepare: {recorded} files it hashed are in verify's stat cache ({cache.path}): the first "
-            "`qwen38 verify` or `qwen38 serve` will not read them again")

@@ -1,4 +1,5 @@
-"""`qwen38 lock`: pin artifacts in ``profiles/artifacts.lock.toml``.
+"""`qwen38 lock`: pin artifacts in ``profiles/artifacts.lock.toml`` (`core.artifact_lock`,
+`prepare.pinning`), and the images' package locks (`prepare.dependency_lock`).
 
 - ``qwen38 lock update KEY`` asks the hub (through huggingface_hub) for every file of the
   artifact's repo at its pinned revision and writes each file's size and sha256: the LFS
@@ -50,7 +51,7 @@ def _cmd_update(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from core.settings import load_settings
+    from core.settings import load_settings  # pydantic's settings only for `lock show`, not `lock update`
 
     lock_path = Path(args.lock)
     models_dir = Path(args.models_dir) if args.models_dir else Path(load_settings().models_dir)
@@ -76,7 +77,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_deps(args: argparse.Namespace) -> int:
-    from prepare import dependency_lock as deps
+    from prepare import dependency_lock as deps  # the package locks' code only for `lock deps`
 
     targets = [deps.get_target(name) for name in (args.target or list(deps.TARGETS))]
     if args.check or args.check_online:

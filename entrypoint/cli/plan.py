@@ -1,0 +1,81 @@
+"""`qwen38 plan`: the KV pool, slots and max context of a profile (`entrypoint.plan`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from core.errors import PlanError
+from core.settings import load_settings, load_settings_profile
+from entrypoint import plan as planner
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / (1 << 20):,.1f} MiB"
+
+
+def render_plan(plan: planner.Plan) -> str:
+    spec = f"speculation {plan.speculative_tokens} tokens" if plan.speculative_tokens else "no speculation"
+    lines = [
+        f"profile {plan.profile}: {plan.max_model_len:,}-token context, {plan.max_num_seqs} slots, "
+        f"KV pool {plan.pool_bytes:,} B"
+        + (f" per GPU x {plan.tensor_parallel_size} GPUs" if plan.tensor_parallel_size > 1 else "")
+        + f", prefix caching {'on' if plan.prefix_caching else 'off'}, {spec}"
+        + (" (plan reused)" if plan.reused else ""),
+    ]
+    order = ["patched", "stock"] if plan.patched else ["stock", "patched"]
+    for name in [n for n in order if n in plan.variants]:
+        cap = plan.variants[name]
+        serving = " (serves)" if (name == "patched") == plan.patched else ""
+        lines.append(f"  {name} vLLM 0.28.0{serving}:")
+        if cap.layout_error:
+            lines.append(f"    no page layout: {cap.layout_error}")
+            continue
+        lines += [
+            f"    pool tokens        {cap.pool_tokens:,}  (max concurrency {cap.max_concurrency:.2f}x "
+            f"at {cap.max_model_len:,} tokens)",
+            f"    blocks             {cap.num_blocks:,} x {cap.block_size} tokens, {cap.group_size} layers "
+            f"per group, {_mib(cap.bytes_per_block)} per block",
+            f"    per request        {cap.blocks_per_request_at_max_len} blocks at max context "
+            f"({cap.blocks_per_request_at_peak} while it runs), {cap.blocks_per_request_minimum} at least; "
+            f"state {_mib(cap.state_bytes_per_request)}, "
+            f"drafter window {_mib(cap.window_bytes_per_request)}, "
+            f"{(cap.context_bytes_per_token or 0) / 1024:,.1f} KiB per context token",
+            f"    slots resident     {cap.slots_resident} of {cap.max_num_seqs} (short requests), "
+            f"{cap.slots_resident_with_max_context} with one at max context",
+            f"    backend            {cap.backend}"
+            + (f", drafter {cap.drafter_backend}" if cap.drafter_backend else ""),
+            f"    max context fits   {'yes' if cap.fits else 'NO'}"
+            + ("" if cap.fits else f" (fits up to {cap.max_model_len_that_fits:,} tokens)")
+            + f"; with all slots busy: {'yes' if cap.fits_with_all_slots_busy else 'no'}",
+        ]
+    return "\n".join(lines)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    settings = load_settings(profile=args.profile)
+    profile = load_settings_profile(settings)
+    plan = planner.plan_profile(
+        profile, settings, compare=not args.no_compare, cache_dir=None if args.no_cache else settings.cache_dir
+    )
+    if args.json:
+        print(plan.model_dump_json(indent=2))
+    else:
+        print(render_plan(plan))
+    if not plan.fits:
+        raise PlanError(plan.refusal_line())
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="compute the KV pool, slots and max context of a profile with vLLM's own functions",
+        description="Ask vLLM 0.28.0's KV-cache functions whether the profile's max context fits its "
+        "KV pool, with and without our patches. Exits non-zero when it does not fit. Answers are "
+        "reused from CACHE_DIR/plan while nothing they depend on changed.",
+    )
+    parser.add_argument("--profile", help="profile name (default: PROFILE from the settings)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--no-compare", action="store_true", help="only plan the engine that will serve")
+    parser.add_argument("--no-cache", action="store_true", help="compute afresh; do not read or write CACHE_DIR/plan")
+    parser.set_defaults(func=_cmd_plan)
