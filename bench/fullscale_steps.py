@@ -45,6 +45,7 @@ from core.settings import Settings
 from entrypoint.keys import init_key_file
 from entrypoint.lifecycle import process_alive, process_session
 from entrypoint.patches import find_vllm_dir
+from entrypoint.resolve import lookup_tokens
 from entrypoint.run_files import status_path
 from prepare.generate import BLOCK_BYTES, draw_block, generate
 from prepare.synthetic import TINY_PRESET, Recipe, StoredTensor, preset, stored_bytes, variant_tensors
@@ -823,7 +824,7 @@ def step_measure(root: Path, profile: str, sizes: str = "quick") -> dict[str, An
     served = load_profile(profile, root / "profiles")
     spec = served.speculative
     # Tokens drafted per verify step: the drafter's, plus lookup's in reproduction mode.
-    k = spec.num_speculative_tokens + spec.lookup_tokens(None, None) if spec and spec.enabled else 0
+    k = spec.num_speculative_tokens + lookup_tokens(spec, None, None) if spec and spec.enabled else 0
     result: dict[str, Any] = {"profile": profile, "sizes": sizes, "bench": {}, "decode": {}, "began": time.time()}
     chosen = SERVED[profile].workloads if profile in SERVED else None
     for name, workload in MEASURE_SIZES[sizes].items():

@@ -105,31 +105,6 @@ class Speculative(_Strict):
     def uses_drafter(self) -> bool:
         return self.method in ("dflash", "draft_model")
 
-    def lookup_tokens(self, lookup: bool | None, verify_block: int | None) -> int:
-        """Verify positions past the drafter's that lookup drafting fills (0: off).
-
-        ``lookup``/``verify_block`` are the user's overrides (None: this profile decides).
-        Raises ValueError (one line) for a combination vLLM could not honour.
-        """
-        on = self.lookup if lookup is None else lookup
-        if not on:
-            if verify_block is not None:
-                raise ValueError(
-                    f"VERIFY_BLOCK={verify_block}: without lookup drafting the verify block is "
-                    f"1 + the drafter depth ({self.num_speculative_tokens + 1}); set LOOKUP=true or unset VERIFY_BLOCK"
-                )
-            return 0
-        if self.method != "dflash":
-            raise ValueError(f"LOOKUP=true: lookup drafting extends a dflash drafter, not method {self.method!r}")
-        block = self.verify_block if verify_block is None else verify_block
-        least = self.num_speculative_tokens + 2
-        if not least <= block <= MAX_VERIFY_BLOCK:
-            raise ValueError(
-                f"VERIFY_BLOCK={block}: with the drafter's {self.num_speculative_tokens} tokens it must be "
-                f"{least}..{MAX_VERIFY_BLOCK} (1 + drafter depth + at least one lookup token)"
-            )
-        return block - 1 - self.num_speculative_tokens
-
 
 class Lora(_Strict):
     """Native per-request LoRA for the `adapter` slot (base requests bypass it)."""

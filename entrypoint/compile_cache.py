@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from entrypoint.resolve import ResolvedEngine
+from entrypoint.resolved_engine import ResolvedEngine
 
 # Fields of the resolved engine that cannot change a compiled graph; every other field
 # keys the compile cache (as vLLM's own compute_hash ignores an explicit list).

@@ -34,7 +34,7 @@ from entrypoint.toolchain import Runner, check_toolchain, jit_cuda_home, run_com
 from entrypoint.topology import TopologyError, link_between, parse_topology, read_topology
 
 if TYPE_CHECKING:
-    from entrypoint.resolve import ResolvedEngine
+    from entrypoint.resolved_engine import ResolvedEngine
 
 Level = Literal["ok", "warn", "blocker", "info"]
 GIB = 1 << 30

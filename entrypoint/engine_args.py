@@ -1,6 +1,6 @@
 """The resolved engine -> vLLM's engine arguments: the one place that names them.
 
-`engine_args` turns a `ResolvedEngine` (`entrypoint.resolve`) into the arguments vLLM 0.28.0
+`engine_args` turns a `ResolvedEngine` (`entrypoint.resolved_engine`) into the arguments vLLM 0.28.0
 takes, by their long-form names, as its ``--config`` YAML takes them. The launch writes them
 into that YAML (`entrypoint.launch.render_invocation`, with the API server's own: where it
 listens, its log level, the stack's middleware); the planner hands those that shape the KV
@@ -18,7 +18,7 @@ from typing import Any
 from core.settings import Settings
 from entrypoint.asgi import MIDDLEWARE_PATH
 from entrypoint.drain import ENGINE_GRACE_S
-from entrypoint.resolve import ResolvedEngine
+from entrypoint.resolved_engine import ResolvedEngine
 
 # The arguments of `engine_args` that shape the KV pool: what the planner asks vLLM about.
 KV_SHAPING = (

@@ -2,7 +2,7 @@
 
 `render_invocation` is pure: the same resolved engine, settings and key give the same argv,
 environment and ``--config`` YAML content. It renders the `ResolvedEngine`
-(`entrypoint.resolve`) the rest of the command uses, and resolves nothing itself. Nearly
+(`entrypoint.resolved_engine`, made by `entrypoint.resolve`) the rest of the command uses, and resolves nothing itself. Nearly
 everything goes into the YAML: vLLM's arguments as `entrypoint.engine_args` derives them for
 the launch and the planner alike (vLLM's ``--config`` takes long-form names; the command line
 would win over it, so we put nothing else there); the API key travels in the environment,
@@ -34,7 +34,7 @@ from entrypoint.asgi import API_KEY_ENV
 from entrypoint.compile_cache import compile_cache_key, vllm_cache_root
 from entrypoint.drain import DRAIN_ENV
 from entrypoint.engine_args import engine_args
-from entrypoint.resolve import ResolvedEngine
+from entrypoint.resolved_engine import ResolvedEngine
 from entrypoint.run_files import config_path
 
 ENGINE_MODULE = "entrypoint.engine_main"  # vLLM's OpenAI server, tied to the supervisor's life

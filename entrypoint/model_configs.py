@@ -20,7 +20,7 @@ from typing import Any
 from core.checkpoint import text_config
 from core.errors import PlanError, ProfileError, SettingsError
 from core.profiles import PROFILES_DIR, ModelSlot, Profile
-from entrypoint.resolve import ResolvedEngine
+from entrypoint.resolved_engine import ResolvedEngine
 
 MODEL_CONFIGS_DIR = PROFILES_DIR / "model-configs"
 

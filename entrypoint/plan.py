@@ -49,7 +49,8 @@ from entrypoint.compile_cache import vllm_cache_root
 from entrypoint.engine_args import planned_engine_args
 from entrypoint.model_configs import ModelConfigs, check_model_limits, read_model_configs, shape_only_copy
 from entrypoint.patches import SERIES_DIR, check_series, find_vllm_dir, installed_vllm, series_fingerprint, series_tree
-from entrypoint.resolve import ResolvedEngine, resolve
+from entrypoint.resolve import resolve
+from entrypoint.resolved_engine import ResolvedEngine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The planner's own code: the child that asks vLLM, and where its request's vLLM arguments come from.

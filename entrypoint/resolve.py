@@ -7,9 +7,7 @@ computed once per command, so they cannot disagree about what will run (they onc
 the planner counted a drafter the launch left off). Knobs that conflict raise one
 `SettingsError` line, the same for every command.
 
-`ResolvedEngine.digest` hashes the whole description minus an explicit ignore list, as
-vLLM's own `compute_hash` does: a field added here is part of every cache key unless an
-ignore list says why it is not.
+The value it returns, `ResolvedEngine`, and its digest live in `entrypoint.resolved_engine`.
 
 The resolution is pure but for what this host is asked: `resolve_on_this_host`, the one
 resolution of a command that starts or shows an engine here, reads the link between the
@@ -20,168 +18,43 @@ What only a launch refuses, or the models refuse, is checked where the launch
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict
 
 from core.errors import SettingsError
-from core.profiles import Profile
+from core.profiles import MAX_VERIFY_BLOCK, Profile, Speculative
 from core.settings import Settings
+from entrypoint.resolved_engine import ResolvedEngine, ResolvedLora, ResolvedParallel, ResolvedSpeculative
 from entrypoint.toolchain import Runner, run_command
 from entrypoint.topology import LinkReading, TopologyError, read_link
 
 LinkReader = Callable[[str], "LinkReading | None"]  # CUDA_VISIBLE_DEVICES -> the link nvidia-smi reports
 
-# What the user can override, and the knob (environment name) that does it.
-KNOBS = {
-    "max_model_len": "MAX_MODEL_LEN",
-    "max_num_seqs": "MAX_NUM_SEQS",
-    "kv_cache_memory_bytes": "KV_CACHE_MEMORY_BYTES",
-    "enable_prefix_caching": "PREFIX_CACHING",
-    "speculation": "SPECULATION",
-    "lookup": "LOOKUP",
-    "verify_block": "VERIFY_BLOCK",
-    "enable_thinking": "ENABLE_THINKING",
-    "shutdown_timeout": "SHUTDOWN_TIMEOUT",
-}
+def lookup_tokens(spec: Speculative, lookup: bool | None, verify_block: int | None) -> int:
+    """Verify positions past the drafter's that lookup drafting fills for ``spec`` (0: off).
 
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ResolvedSpeculative(_Frozen):
-    """Speculative decoding as the engine runs it."""
-
-    method: str
-    drafter_tokens: int  # the drafter's depth (the profile's num_speculative_tokens)
-    lookup_tokens: int  # verify positions past the drafter's, filled by lookup drafting (patches 0070, 0072)
-    draft_sample_method: str | None
-    drafter_dir: str | None  # absolute; None for methods without a drafter model
-    attention_backend: str | None  # the drafter's layers' backend; None: vLLM selects one for it
-
-    @property
-    def num_speculative_tokens(self) -> int:
-        """What vLLM verifies per step (its `num_speculative_tokens`)."""
-        return self.drafter_tokens + self.lookup_tokens
-
-
-class ResolvedLora(_Frozen):
-    """The adapter served beside the base through vLLM's native per-request LoRA."""
-
-    adapter_id: str
-    path: str  # absolute
-    base_model_name: str
-    max_lora_rank: int
-    max_loras: int
-
-
-class ResolvedParallel(_Frozen):
-    """Tensor parallelism as the engine runs it: how many GPUs, where, and how they talk."""
-
-    tensor_parallel_size: int
-    nodes: int
-    node_rank: int  # 0: the head (API server); 1..: a headless worker host
-    link: Literal["pcie", "nvlink", "network"]  # between the GPUs: in one host, or between hosts
-    link_origin: str  # where `link` came from, for messages
-    custom_all_reduce: bool  # vLLM's own all-reduce kernel (else NCCL's)
-    nccl_p2p: bool  # NCCL's peer-to-peer transport inside a host (False: NCCL_P2P_DISABLE=1)
-    head_address: str | None  # multi-host: the head's IP on the link (vLLM --master-addr)
-    head_port: int | None  # multi-host: torch.distributed's rendezvous port (vLLM --master-port)
-    node_address: str | None  # multi-host: this host's IP on the link (VLLM_HOST_IP)
-    network_interface: str | None  # multi-host: NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME
-    rdma_devices: str | None
-    nccl_log_level: str | None
-
-    @property
-    def headless(self) -> bool:
-        """A worker host: vLLM runs its share of the GPUs and no API server."""
-        return self.node_rank > 0
-
-
-class ResolvedEngine(_Frozen):
-    """Everything the engine of one command will run with, after the user's overrides."""
-
-    profile: str
-    platform: Literal["cpu", "cuda"]
-    machine: str
-    cuda_arch: str | None
-    require_patches: bool
-    target_dir: str  # absolute
-    served_model_name: str
-    dtype: str
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int | None  # None: vLLM's default for the device
-    kv_cache_dtype: str
-    kv_cache_memory_bytes: int | None
-    gpu_memory_utilization: float | None
-    enable_prefix_caching: bool
-    mamba_ssm_cache_dtype: str
-    block_size: int | None
-    attention_backend: str | None
-    enforce_eager: bool
-    compilation_config: dict[str, Any] | None
-    cudagraph_capture_limit: int | None  # the largest CUDA graph captured (see `cudagraph_capture_limit`)
-    additional_config: dict[str, Any] | None
-    enable_flashinfer_autotune: bool | None
-    language_model_only: bool
-    tool_call_parser: str | None
-    reasoning_parser: str | None
-    structured_outputs_config: dict[str, Any] | None
-    default_chat_template_kwargs: dict[str, Any] | None
-    seed: int | None
-    shutdown_timeout: int  # seconds SIGTERM lets in-flight requests run
-    extra: dict[str, Any]  # the profile's verbatim vLLM arguments, long-form names with `-`
-    speculative: ResolvedSpeculative | None
-    lora: ResolvedLora | None
-    devices: str | None  # CUDA_VISIBLE_DEVICES (numbered in PCI bus order); None on CPU
-    parallel: ResolvedParallel | None  # None: one GPU (or one CPU worker)
-    env: dict[str, str]  # the profile's environment for vLLM
-    overridden: tuple[str, ...]  # the KNOBS the user set (for messages: where a value came from)
-
-    def origin(self, field: str) -> str:
-        """How a one-line message names where ``field``'s value came from."""
-        value = getattr(self, field)
-        if field in self.overridden:
-            return f"{KNOBS[field]}={value}"
-        return f"profile {self.profile}: engine.{field} = {value}"
-
-    def digest(self, ignore: Iterable[str] = ()) -> str:
-        """sha256 over every field but those in ``ignore`` (``a.b`` names a nested field)."""
-        return hashlib.sha256(json.dumps(self.factors(ignore), sort_keys=True).encode()).hexdigest()
-
-    def factors(self, ignore: Iterable[str] = ()) -> dict[str, Any]:
-        """What `digest` hashes: the whole engine as JSON, less ``ignore`` (which must name fields)."""
-        ignored = set(ignore)
-        unknown = ignored - set(field_paths())
-        if unknown:
-            raise ValueError(f"ignore list names no field of ResolvedEngine: {sorted(unknown)}")
-        data = self.model_dump(mode="json")
-        for name in ignored:
-            *parents, leaf = name.split(".")
-            node = data
-            for parent in parents:
-                node = node.get(parent) or {}
-            if isinstance(node, dict):
-                node.pop(leaf, None)
-        return data
-
-
-def field_paths() -> list[str]:
-    """Every field of ResolvedEngine, nested ones as ``parent.child``."""
-    nested = {"speculative": ResolvedSpeculative, "lora": ResolvedLora, "parallel": ResolvedParallel}
-    paths = []
-    for name in ResolvedEngine.model_fields:
-        paths.append(name)
-        if name in nested:
-            paths.extend(f"{name}.{child}" for child in nested[name].model_fields)
-    return paths
+    ``lookup``/``verify_block`` are the user's overrides (None: this profile decides).
+    Raises SettingsError (one line) for a combination vLLM could not honour.
+    """
+    on = spec.lookup if lookup is None else lookup
+    if not on:
+        if verify_block is not None:
+            raise SettingsError(
+                f"VERIFY_BLOCK={verify_block}: without lookup drafting the verify block is "
+                f"1 + the drafter depth ({spec.num_speculative_tokens + 1}); set LOOKUP=true or unset VERIFY_BLOCK"
+            )
+        return 0
+    if spec.method != "dflash":
+        raise SettingsError(f"LOOKUP=true: lookup drafting extends a dflash drafter, not method {spec.method!r}")
+    block = spec.verify_block if verify_block is None else verify_block
+    least = spec.num_speculative_tokens + 2
+    if not least <= block <= MAX_VERIFY_BLOCK:
+        raise SettingsError(
+            f"VERIFY_BLOCK={block}: with the drafter's {spec.num_speculative_tokens} tokens it must be "
+            f"{least}..{MAX_VERIFY_BLOCK} (1 + drafter depth + at least one lookup token)"
+        )
+    return block - 1 - spec.num_speculative_tokens
 
 
 def _speculative(profile: Profile, settings: Settings, models_dir: Path) -> ResolvedSpeculative | None:
@@ -197,15 +70,11 @@ def _speculative(profile: Profile, settings: Settings, models_dir: Path) -> Reso
                 f"{profile.name}; set SPECULATION=true"
             )
         return None
-    try:
-        lookup_tokens = spec.lookup_tokens(settings.lookup, settings.verify_block)
-    except ValueError as exc:
-        raise SettingsError(str(exc)) from None
     drafter = profile.models.drafter
     return ResolvedSpeculative(
         method=spec.method,
         drafter_tokens=spec.num_speculative_tokens,
-        lookup_tokens=lookup_tokens,
+        lookup_tokens=lookup_tokens(spec, settings.lookup, settings.verify_block),
         draft_sample_method=spec.draft_sample_method,
         drafter_dir=str((models_dir / drafter.dir).absolute()) if spec.uses_drafter and drafter else None,
         attention_backend=spec.attention_backend,

@@ -28,7 +28,8 @@ from entrypoint import ready
 from entrypoint.launch import check_allocator, render_invocation, write_run_files
 from entrypoint.model_configs import read_model_configs
 from entrypoint.plan import check_plannable, plan_engines
-from entrypoint.resolve import ResolvedEngine, resolve_on_this_host
+from entrypoint.resolve import resolve_on_this_host
+from entrypoint.resolved_engine import ResolvedEngine
 from entrypoint.supervise import Supervisor, begin_start, check_interpreter
 from entrypoint.worker_gate import WorkerGate
 

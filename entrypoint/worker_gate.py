@@ -30,7 +30,7 @@ from core.profiles import Profile
 from core.settings import Settings
 from entrypoint.lifecycle import is_running, port_answers, process_start_time
 from entrypoint.ready import ReadyReport, base_url_for
-from entrypoint.resolve import ResolvedEngine
+from entrypoint.resolved_engine import ResolvedEngine
 
 POLL_S = 2.0
 LOST_AFTER_S = 6.0  # three polls in a row without an answer

@@ -71,20 +71,13 @@ def check_slot_identity(
             f"{lock_path}: artifact {artifact.key} ({slot_name} {slot.dir}) is not pinned ({pin}); "
             f"pin it with `{artifact.pin_command()}` and commit the lock"
         ]
-    expected = artifact.expected_manifest()
+    if slot.transform is not None:
+        return _derived_problems(ident, artifact, lock, where, prepare)
+    return _artifact_problems(manifest, artifact, where)
 
-    if slot.transform is None:
-        if not isinstance(ident, ArtifactIdentity) or ident.artifact != artifact.key:
-            return [f"{where}: identity expected artifact {artifact.key}, found {ident.describe()}"]
-        if ident.repo != artifact.repo:
-            return [f"{where}: identity repo expected {artifact.repo} (lock), found {ident.repo}"]
-        if ident.revision != artifact.revision:
-            return [
-                f"{where}: identity revision expected {artifact.revision} (lock), found {ident.revision}; "
-                f"run `qwen38 prepare download {artifact.key}`"
-            ]
-        return compare_with_lock(manifest, expected, where, artifact.key)
 
+def _derived_problems(ident, artifact, lock, where: str, prepare: str) -> list[str]:
+    """A derived directory comes from the slot's pinned artifact, at the lock's revisions and digests."""
     problems: list[str] = []
     for leaf in unpinned_inputs(ident):
         problems.append(
@@ -114,6 +107,21 @@ def check_slot_identity(
                 f"{pinned.expected_manifest().digest} (lock), found {digest}; prepare the directory again"
             )
     return problems
+
+
+def _artifact_problems(manifest: Manifest, artifact, where: str) -> list[str]:
+    """A downloaded directory is the lock's artifact: its repo, revision and exactly its files."""
+    ident = manifest.identity
+    if not isinstance(ident, ArtifactIdentity) or ident.artifact != artifact.key:
+        return [f"{where}: identity expected artifact {artifact.key}, found {ident.describe()}"]
+    if ident.repo != artifact.repo:
+        return [f"{where}: identity repo expected {artifact.repo} (lock), found {ident.repo}"]
+    if ident.revision != artifact.revision:
+        return [
+            f"{where}: identity revision expected {artifact.revision} (lock), found {ident.revision}; "
+            f"run `qwen38 prepare download {artifact.key}`"
+        ]
+    return compare_with_lock(manifest, artifact.expected_manifest(), where, artifact.key)
 
 
 def _generated_problems(ident, generator: str, where: str, prepare: str) -> list[str]:

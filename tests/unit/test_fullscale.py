@@ -11,6 +11,7 @@ from bench import fullscale_steps as fs
 from bench import roofline as rf
 from core.errors import BenchError
 from core.profiles import Profile, load_profile
+from entrypoint.resolve import lookup_tokens
 from prepare.synthetic import MODEL_CONFIGS
 
 # Lines as vLLM 0.28.0 formats them (gpu_model_runner, gpu_worker, kv_cache_utils, core, monitor).
@@ -310,7 +311,7 @@ def test_the_lookup_copy_is_long_in_reproduction_mode_at_the_context_its_pool_ho
 
     profiles = fs.profile_set(150_000_000_000)
     spec = Profile.model_validate({"name": "long-lookup-full", **profiles["long-lookup-full"]}).speculative
-    assert spec.num_speculative_tokens + spec.lookup_tokens(None, None) == 15  # the 16-token block
+    assert spec.num_speculative_tokens + lookup_tokens(spec, None, None) == 15  # the 16-token block
     plain, lookup = profiles["long-full"], profiles["long-lookup-full"]
     assert (lookup["speculative"].pop("lookup"), plain["speculative"].pop("lookup")) == (True, False)
     assert lookup["engine"].pop("max_model_len") == fs.LOOKUP_LONG_CONTEXT

@@ -16,7 +16,8 @@ from core.profiles import load_profile
 from entrypoint.model_configs import MODEL_CONFIGS_DIR, ModelConfig, config_source, read_model_configs, shape_only_copy
 from entrypoint.patches import SERIES_DIR
 from entrypoint.plan import PLAN_IGNORED, Tree, build_request, check_plannable, plan_cache_key
-from entrypoint.resolve import field_paths, resolve
+from entrypoint.resolve import resolve
+from entrypoint.resolved_engine import field_paths
 from tests.conftest import clean_env, run_cli
 from tests.support.plans import planner_pythonpath, seed_plans, user_settings  # noqa: F401
 from tests.support.vllm_views import child_pythonpath

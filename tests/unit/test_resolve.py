@@ -16,7 +16,8 @@ from entrypoint.compile_cache import COMPILE_IGNORED, compile_cache_key
 from entrypoint.engine_args import KV_SHAPING
 from entrypoint.model_configs import max_positions, read_model_configs
 from entrypoint.plan import PLAN_IGNORED, build_request, plan_profile
-from entrypoint.resolve import field_paths, resolve
+from entrypoint.resolve import resolve
+from entrypoint.resolved_engine import field_paths
 from tests.support.plans import render_resolved, user_settings
 
 KEY = SecretStr("s3cret-" + "k" * 20)
@@ -146,7 +147,7 @@ def test_every_nested_model_of_the_resolution_is_walked_by_the_digest():
     """`field_paths` names the nested models explicitly: one added later must be added there."""
     from pydantic import BaseModel
 
-    from entrypoint.resolve import ResolvedEngine
+    from entrypoint.resolved_engine import ResolvedEngine
 
     models = {
         name for name, info in ResolvedEngine.model_fields.items()
