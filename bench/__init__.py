@@ -3,7 +3,7 @@
 Every performance claim in the docs names a ``qwen38 bench`` command, and each command's
 work lives in a module of this package:
 
-- against a running server: the serving workloads c1, c8, agent, depth and copy
+- against a running server: the serving workloads c1, c8, agent, users, depth and copy
   (`workloads` builds them from `prompts`, `measurement` runs them, `stats` and `report`
   turn the records into the result document, `provenance` says who served and measured,
   `serving` ties them together) and the watchdog's cost (`watchdog`);

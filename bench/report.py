@@ -3,7 +3,7 @@
 The JSON document (schema ``qwen38-bench/1``) holds the workload, its parameters, the
 server's identity, the software versions and the machine, the headline figures at the top
 level (``output_tok_s``, ``decode_tok_s``, ``ttft_s``, ``itl_s``, ``acceptance_length``,
-``prefix_cache_hit_rate``: null when not measured), one entry per point (concurrency or
+``prefix_cache_hit_rate``: null when not measured; ``preemptions``), one entry per point (concurrency or
 depth) with its full summary, every request, and the consistency checks.
 """
 
@@ -49,6 +49,7 @@ def _headline(summary: dict[str, Any]) -> dict[str, Any]:
         "acceptance_length": summary["acceptance_length"],
         "per_position_acceptance": spec["per_position_acceptance"] if spec else None,
         "prefix_cache_hit_rate": summary["prefix_cache"]["hit_rate"],
+        "preemptions": summary["preemptions"],
     }
 
 
@@ -179,6 +180,7 @@ def table(doc: dict[str, Any]) -> str:
             "ITL ms p50/p90/p99",
             "PREFIX HIT",
             "ACCEPT LEN",
+            "PREEMPT",
         ]
     ]
     for p in doc["points"]:
@@ -195,6 +197,7 @@ def table(doc: dict[str, Any]) -> str:
                 _dist(s, "itl_s", ["p50", "p90", "p99"], scale=1000, fmt="{:.1f}"),
                 _num(s["prefix_cache"]["hit_rate"], "{:.1%}"),
                 _num(s["acceptance_length"]),
+                _num(s.get("preemptions"), "{:.0f}"),  # absent from results written before it was counted
             ]
         )
     lines.append(_grid(rows))
@@ -233,6 +236,7 @@ _COMPARED = (
     ("ITL ms p99", lambda s: (s["itl_s"] or {}).get("p99", 0) * 1000 if s["itl_s"] else None),
     ("acceptance length", lambda s: s["acceptance_length"]),
     ("prefix hit rate", lambda s: s["prefix_cache"]["hit_rate"]),
+    ("preemptions", lambda s: s.get("preemptions")),  # absent from results written before it was counted
 )
 
 

@@ -4,7 +4,7 @@
 sends unmeasured warm-up requests, runs each point and returns the result document
 (`bench.report`), whose consistency checks compare streamed tokens with usage, usage with
 /tokenize and /metrics, and the speculative counters. Run it against an otherwise idle
-server: /metrics counters are server-wide. `qwen38 bench c1|c8|agent|depth|copy` is its
+server: /metrics counters are server-wide. `qwen38 bench c1|c8|agent|users|depth|copy` is its
 command line (`bench.commands.server`).
 """
 

@@ -236,6 +236,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, delta: Metric
         "prefix_cache": prefix,
         "speculation": spec,
         "acceptance_length": spec["acceptance_length"] if spec else None,
+        "preemptions": int(delta.counters["preemptions"]),
         "metrics_delta": delta.to_json(),
     }
 

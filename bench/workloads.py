@@ -1,4 +1,4 @@
-"""The serving workloads: c1, c8, agent, depth, copy.
+"""The serving workloads: c1, c8, agent, users, depth, copy.
 
 Each workload is a parameters dataclass (every size a field whose default is the value the
 source articles published; the CLI flags and their help are generated from the fields) and
@@ -50,6 +50,16 @@ class AgentParams:
     turns: int = knob(4, "requests per thread, each carrying the thread's history")
     turn_tokens: int = knob(600, "mean tokens a turn adds (code, prose or a tool result; varies +-50 %%)")
     output_tokens: int = knob(256, "output tokens per request, EOS ignored")
+    tool_choice: str = knob("auto", "tool_choice of every request: auto, or none for a server without a tool parser")
+
+
+@dataclass(frozen=True)
+class UsersParams:
+    system_tokens: int = knob(5800, "tokens of the system prompt every user shares (the 3090 seed's 64-request test)")
+    prompt_tokens: int = knob(1000, "mean tokens of each request's own message (code or prose; varies +-50 %%)")
+    output_tokens: int = knob(256, "output tokens per request, EOS ignored")
+    concurrency: tuple[int, ...] = knob((8, 32, 64), "users in flight, one point each (the owners' C8, C32, C64)")
+    rounds: int = knob(2, "requests each user sends one after the other: every point keeps its users busy")
     tool_choice: str = knob("auto", "tool_choice of every request: auto, or none for a server without a tool parser")
 
 
@@ -200,6 +210,42 @@ def build_agent(p: AgentParams, ctx: Context) -> list[Point]:
     return points
 
 
+def build_users(p: UsersParams, ctx: Context) -> list[Point]:
+    """Many users at once, as an agent harness with sub-agents or an evaluation job sends them:
+    each request is the shared system prompt and tool list plus a first turn of its own (code
+    or prose, `prompts.agent_thread`), so the system prompt is cached once per point and every
+    request prefills only its own message."""
+    if p.tool_choice not in ("auto", "none"):
+        raise BenchError(f"--tool-choice {p.tool_choice!r}: use auto or none")
+    system = prompts.fit_tokens(
+        prompts.agent_system(prompts.SeededStream("users-system", ctx.seed)), p.system_tokens, ctx.tokenizer
+    ).text
+    # One first turn per request of the largest point; a smaller point takes the first ones.
+    firsts = [
+        prompts.agent_thread(ctx.seed, i, 1, p.prompt_tokens, 1, ctx.tokenizer).request_messages(system, 0)
+        for i in range(max(p.concurrency) * p.rounds)
+    ]
+    points = []
+    for n in p.concurrency:
+        salt = ctx.salt("users", n)  # the users of a point share the system prompt, points do not
+        jobs = [
+            [
+                ctx.request(
+                    firsts[user * p.rounds + r],
+                    p.output_tokens,
+                    f"users c={n} user {user} request {r}",
+                    salt=salt,
+                    tools=prompts.AGENT_TOOLS,
+                    tool_choice=p.tool_choice,
+                )
+                for r in range(p.rounds)
+            ]
+            for user in range(n)
+        ]
+        points.append(Point(f"concurrency {n}", n, n, jobs))
+    return points
+
+
 def build_depth(p: DepthParams, ctx: Context) -> list[Point]:
     points = []
     for depth in p.depths:
@@ -275,6 +321,17 @@ WORKLOADS: dict[str, Workload] = {
             "caching shows in TTFT and in the hit rate.",
             AgentParams,
             build_agent,
+            "concurrency",
+        ),
+        Workload(
+            "users",
+            "many users at once: a shared ~5.8k-token system prompt, ~1k-token requests, 8, 32 and 64 in flight",
+            "Agent-like traffic from many users (sub-agents, evaluation jobs): every request carries the "
+            "same system prompt and tool list and a medium message of its own; each point keeps its "
+            "users busy for a few requests. Reports aggregate and per-request tok/s, TTFT percentiles "
+            "and the requests vLLM preempted for want of KV pages.",
+            UsersParams,
+            build_users,
             "concurrency",
         ),
         Workload(

@@ -328,6 +328,15 @@ class FileMismatch:
             return "extra"
         return "missing" if self.found is None else "size"
 
+    def describe(self, directory: Path) -> str:
+        """One line naming the file and how it differs from ``directory``'s manifest."""
+        path, manifest = directory / self.path, directory / MANIFEST_NAME
+        if self.kind == "missing":
+            return f"{path}: listed in {manifest} but missing"
+        if self.kind == "size":
+            return f"{path}: size expected {self.expected} (its {MANIFEST_NAME}), found {self.found}"
+        return f"{path}: not in {manifest} (expected absent)"
+
 
 # What `Path.exists` takes for "not there": a missing file or parent, a dangling or looping link.
 _ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP)

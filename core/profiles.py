@@ -77,11 +77,34 @@ class Models(_Strict):
 MAX_VERIFY_BLOCK = 16
 
 
+# The MTP depth the 3090 seed serves by default (4 draft tokens, REFERENCE.md; issue 55).
+SEED_MTP_DEPTH = 4
+# MTP drafts at most this many tokens: 1 + depth is verified per step, at most MAX_VERIFY_BLOCK.
+MAX_MTP_DEPTH = MAX_VERIFY_BLOCK - 1
+
+SpeculativeMethod = Literal["dflash", "draft_model", "ngram", "mtp"]
+
+
+class Mtp(_Strict):
+    """The target's own multi-token-prediction head as a second speculation method
+    (``SPECULATION=mtp``): no drafter directory, the head's weights are the target's ``mtp.*``."""
+
+    num_speculative_tokens: int = Field(
+        default=SEED_MTP_DEPTH,
+        ge=1,
+        le=MAX_MTP_DEPTH,
+        description="Draft tokens per step (the MTP head run this many times); the MTP_DEPTH setting overrides it.",
+    )
+
+
 class Speculative(_Strict):
-    """Speculative decoding with the `drafter` model slot (vLLM `--speculative-config`)."""
+    """Speculative decoding (vLLM `--speculative-config`): the profile's own method, and the
+    methods a deployment may choose instead (``SPECULATION``)."""
 
     enabled: bool = Field(default=True, description="Default on/off; the SPECULATION setting overrides it.")
-    method: Literal["dflash", "draft_model", "ngram", "mtp"] = "dflash"
+    method: SpeculativeMethod = Field(
+        default="dflash", description="The profile's own method (SPECULATION=true); dflash drafts with `models.drafter`."
+    )
     num_speculative_tokens: int = Field(ge=1, le=16)
     draft_sample_method: Literal["greedy", "probabilistic"] | None = None
     attention_backend: Literal["TRITON_ATTN", "FLASHINFER", "FLASH_ATTN", "FLEX_ATTENTION"] | None = Field(
@@ -101,9 +124,34 @@ class Speculative(_Strict):
         "the VERIFY_BLOCK setting overrides it.",
     )
 
+    mtp: Mtp | None = Field(
+        default=None,
+        description="Also allow the target's MTP head (SPECULATION=mtp), with its depth; "
+        "a profile whose own method is mtp has its depth in num_speculative_tokens instead.",
+    )
+
+    @model_validator(mode="after")
+    def _mtp_once(self) -> Speculative:
+        if self.method == "mtp" and self.mtp is not None:
+            raise ValueError("method mtp takes its depth from num_speculative_tokens; drop the [speculative.mtp] table")
+        return self
+
     @property
     def uses_drafter(self) -> bool:
         return self.method in ("dflash", "draft_model")
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The speculation methods this profile can serve (besides none): its own, then mtp."""
+        return (self.method,) + (("mtp",) if self.mtp is not None else ())
+
+    def depth(self, method: str) -> int:
+        """Draft tokens per step of ``method`` (one of `methods`) as the profile sets it."""
+        if method == self.method:
+            return self.num_speculative_tokens
+        if method == "mtp" and self.mtp is not None:
+            return self.mtp.num_speculative_tokens
+        raise ValueError(f"method {method!r} is not one of this profile's ({', '.join(self.methods)})")
 
 
 class Lora(_Strict):
@@ -279,6 +327,7 @@ def render_profiles_table(directory: Path = PROFILES_DIR) -> str:
             f"{spec.method} K={spec.num_speculative_tokens}"
             + ("" if spec.enabled else " (off by default)")
             + (f", lookup to {spec.verify_block}" if spec.lookup else "")
+            + (f"; or mtp K={spec.mtp.num_speculative_tokens}" if spec.mtp else "")
             if spec
             else "none"
         )

@@ -23,7 +23,15 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.errors import SettingsError
-from core.profiles import MAX_SHUTDOWN_TIMEOUT_S, PROFILES_DIR, SHUTDOWN_MARGIN_S, load_profile, profile_names
+from core.profiles import (
+    MAX_MTP_DEPTH,
+    MAX_SHUTDOWN_TIMEOUT_S,
+    PROFILES_DIR,
+    SEED_MTP_DEPTH,
+    SHUTDOWN_MARGIN_S,
+    load_profile,
+    profile_names,
+)
 
 SECTIONS = {
     "serving": "What to serve and where",
@@ -37,6 +45,10 @@ SECTIONS = {
 }
 
 MIN_API_KEY_LENGTH = 16
+# SPECULATION: the methods by name, and the words pydantic read as booleans before it took names.
+SPECULATION_METHODS = ("dflash", "mtp")
+TRUE_WORDS = frozenset({"1", "true", "yes", "on", "t", "y"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off", "f", "n"})
 BOTH_KEYS_SET = "VLLM_API_KEY and API_KEY_FILE are both set; set one of them"
 # An image reference: [registry/]name[:tag][@sha256:digest], lower-case name components.
 # A CUDA device as CUDA_VISIBLE_DEVICES and Docker name it: an index, a GPU UUID or a MIG UUID.
@@ -120,8 +132,22 @@ class Settings(BaseSettings):
     kv_cache_memory_bytes: int | None = _knob(
         None, "overrides", "KV-cache pool size in bytes.", example="", ge=1 << 20
     )
-    speculation: bool | None = _knob(
-        None, "overrides", "Speculative decoding on/off (the profile's drafter and depth).", example=""
+    speculation: bool | Literal["dflash", "mtp"] | None = _knob(
+        None,
+        "overrides",
+        "Speculative decoding: `dflash` (the profile's drafter), `mtp` (the target's own MTP head, no drafter), "
+        "`off`; `true` is the profile's own method, `false` the same as `off`. `qwen38 plan --concurrency N` "
+        "says which keeps N requests resident (docs/speculation.md).",
+        example="",
+    )
+    mtp_depth: int | None = _knob(
+        None,
+        "overrides",
+        f"Draft tokens per step with SPECULATION=mtp (empty: the profile's, the 3090 seed's {SEED_MTP_DEPTH}); "
+        f"1..{MAX_MTP_DEPTH}, each verify step checks 1 + this many.",
+        example="",
+        ge=1,
+        le=MAX_MTP_DEPTH,
     )
     lookup: bool | None = _knob(
         None,
@@ -312,7 +338,7 @@ class Settings(BaseSettings):
     image_rtx3090: str | None = _knob(
         None,
         "compose",
-        "Image of `single`/`long`/`dual`. Empty: compose.yaml's default, the published image by digest once "
+        "Image of `single`/`long`/`dual`/`batch`. Empty: compose.yaml's default, the published image by digest once "
         "`qwen38 image pin` has pinned one, until then a local tag that `up` builds from this checkout. "
         "A plain tag of your own (e.g. qwen38-stack:rtx3090) builds locally; REPOSITORY:TAG@sha256:DIGEST pulls.",
         example="",
@@ -363,6 +389,22 @@ class Settings(BaseSettings):
     )
     prometheus_port: int = _knob(9090, "compose", "Host port of Prometheus (`--profile monitoring`).", ge=1, le=65535)
     grafana_port: int = _knob(3000, "compose", "Host port of Grafana (`--profile monitoring`).", ge=1, le=65535)
+
+    @field_validator("speculation", mode="before")
+    @classmethod
+    def _speculation_choice(cls, value: Any) -> Any:
+        """dflash, mtp or off; the booleans pydantic always took keep their meaning (true: the
+        profile's own method, false: off)."""
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        word = str(value).strip().lower()
+        if word in SPECULATION_METHODS:
+            return word
+        if word in TRUE_WORDS or word in FALSE_WORDS:
+            return word in TRUE_WORDS
+        raise ValueError("expected dflash, mtp or off (true: the profile's own method; false: off)")
 
     @field_validator("host")
     @classmethod

@@ -30,6 +30,9 @@ COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts_total",
     "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
     "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
+    # Requests the scheduler took off the GPU for want of KV pages (vLLM 0.28.0
+    # v1/metrics/loggers.py: the counter "vllm:num_preemptions").
+    "preemptions": "vllm:num_preemptions_total",
 }
 ACCEPTED_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 

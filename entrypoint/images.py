@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from core.errors import ImageError
 from core.profiles import load_profile, profile_names
+from entrypoint.patches import series_fingerprint
 from prepare.dependency_lock import get_target, parse_lock
 
 if TYPE_CHECKING:
@@ -106,10 +107,7 @@ def locked_engine_version(spec: ImageSpec) -> str:
 
 
 def patchset_sha256() -> str:
-    try:
-        from entrypoint.patches import series_fingerprint  # type: ignore[import-not-found]
-    except ImportError:
-        raise ImageError("entrypoint.patches is not available: the patch series cannot be fingerprinted") from None
+    """The patch series' fingerprint, as an image's `PATCHSET_SHA256` label carries it."""
     return series_fingerprint()
 
 

@@ -55,7 +55,11 @@ def plan_request(request: dict[str, Any]) -> dict[str, Any]:
     config = EngineArgs(**kwargs).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
     backend, backend_name = _select_backend(request, config)
-    drafter_backend, drafter_backend_name = _select_backend(request, config, drafter=True)
+    if config.speculative_config is not None and config.speculative_config.method == "mtp":
+        # The MTP head is a layer of the target's model (its config, its backend).
+        drafter_backend, drafter_backend_name = backend, backend_name
+    else:
+        drafter_backend, drafter_backend_name = _select_backend(request, config, drafter=True)
     _align_block_size(config, backend, request["platform"] == "cuda")
     specs = _layer_specs(config, backend, drafter_backend)
     result = _capacity(config, specs)
@@ -357,6 +361,7 @@ def _capacity(config, specs: dict[str, Any]) -> dict[str, Any]:
         ),
         "fits_with_all_slots_busy": spare >= 0 and spare >= (slots - 1) * blocks_min,
         "blocks_per_request_at_peak": peak,
+        "lookahead_tokens": lookahead,
         "stall": stall,
         "max_model_len_that_fits": int(
             min(kv_cache_utils._estimate_max_model_len_from_groups(config, groups, pool), longest)
@@ -381,15 +386,35 @@ def _running_peak(group_rows: list[dict[str, Any]], max_len: int, lookahead: int
     1.00x pool a prompt within one block of max_model_len stalls the server; one block more
     and it finishes.
     """
-    fixed = 1  # the null block; then the groups whose blocks do not grow with the context
-    fixed += sum(row["blocks_per_request"] + in_flight for row in group_rows if row["kind"] == "gdn-state")
-    fixed += sum(row["blocks_per_request"] for row in group_rows if row["kind"] == "sliding-window")
-    attention = [row["block_size"] for row in group_rows if row["kind"] == "attention"]
-    peak = fixed + sum((max_len + lookahead + size - 1) // size for size in attention)  # blocks, rounded up
-    if not attention:
+    peak = 1 + request_blocks(group_rows, max_len, lookahead, in_flight)  # block 0: the null block
+    if not any(row["kind"] == "attention" for row in group_rows):
         return peak, max_len
-    per_group = max(0, num_blocks - fixed) // len(attention)
-    return peak, max(0, per_group * min(attention) - lookahead)
+    return peak, longest_request(group_rows, num_blocks, lookahead, in_flight)
+
+
+def _fixed_blocks(group_rows: list[dict[str, Any]], in_flight: int) -> int:
+    """A running request's blocks in the groups that do not grow with its context."""
+    state = sum(row["blocks_per_request"] + in_flight for row in group_rows if row["kind"] == "gdn-state")
+    return state + sum(row["blocks_per_request"] for row in group_rows if row["kind"] == "sliding-window")
+
+
+def request_blocks(group_rows: list[dict[str, Any]], tokens: int, lookahead: int, in_flight: int) -> int:
+    """Blocks one request of ``tokens`` holds at its peak while it runs (see `_running_peak`;
+    the pool's null block not included)."""
+    attention = [row["block_size"] for row in group_rows if row["kind"] == "attention"]
+    return _fixed_blocks(group_rows, in_flight) + sum((tokens + lookahead + size - 1) // size for size in attention)
+
+
+def longest_request(group_rows: list[dict[str, Any]], num_blocks: int, lookahead: int, in_flight: int,
+                    requests: int = 1) -> int:
+    """The longest request of which ``requests`` run side by side within ``num_blocks``, each at
+    its peak (0: not even one token each); without attention groups, unbounded by the pool."""
+    attention = [row["block_size"] for row in group_rows if row["kind"] == "attention"]
+    each = (num_blocks - 1) // max(1, requests) - _fixed_blocks(group_rows, in_flight)
+    if not attention:
+        return 0 if each < 0 else sys.maxsize
+    per_group = max(0, each) // len(attention)
+    return max(0, per_group * min(attention) - lookahead)
 
 
 def _inspect_in_this_process() -> None:

@@ -131,3 +131,10 @@ def check_model_limits(
             f"{resolved.origin('max_model_len')}: above the {limit:,} positions the model is made for "
             f"({target_source}); use at most {limit:,}"
         )
+    spec = resolved.speculative
+    if spec is not None and spec.method == "mtp" and not text_config(target).get("mtp_num_hidden_layers"):
+        error = SettingsError if "speculation" in resolved.overridden else ProfileError
+        raise error(
+            f"profile {resolved.profile}: speculation mtp needs the target's MTP head, and {target_source} "
+            "declares none (no mtp_num_hidden_layers); choose SPECULATION=dflash or off"
+        )

@@ -15,6 +15,10 @@ engine would refuse at start, `_check_enough_kv_cache_memory`) and one more: suc
 request must also fit while it runs, or it would stall the engine
 (`entrypoint.kv_capacity._running_peak`, docs/plan.md).
 
+`plan_methods` plans a profile once per speculation method it allows (dflash, mtp) and none,
+and says how many of N concurrent requests each keeps resident (`qwen38 plan --concurrency N`,
+docs/speculation.md).
+
 Answers are kept in ``CACHE_DIR/plan/``, keyed by everything they depend on (the
 resolved engine minus what cannot change the KV cache, the model configs, the patch
 series and the tree's state, the vLLM version and the planner's own code), so a restart
@@ -47,6 +51,7 @@ from core.profiles import Profile
 from core.settings import Settings
 from entrypoint.compile_cache import vllm_cache_root
 from entrypoint.engine_args import planned_engine_args
+from entrypoint.kv_capacity import longest_request, request_blocks
 from entrypoint.model_configs import ModelConfigs, check_model_limits, read_model_configs, shape_only_copy
 from entrypoint.patches import SERIES_DIR, check_series, find_vllm_dir, installed_vllm, series_fingerprint, series_tree
 from entrypoint.resolve import resolve
@@ -135,6 +140,7 @@ class Capacity(BaseModel):
     blocks_per_request_at_max_len: int | None = None
     blocks_per_request_minimum: int | None = None
     blocks_per_request_at_peak: int | None = None
+    lookahead_tokens: int | None = None  # KV slots the drafter writes past a request's tokens (vLLM's)
     stall: str | None = None  # admitted by vLLM, but too big while it runs (kv_capacity._running_peak)
     state_bytes_per_request: int | None = None
     window_bytes_per_request: int | None = None
@@ -494,3 +500,114 @@ def plan_profile(
     configs = read_model_configs(profile, resolved, settings.models_dir)
     check_plannable(resolved, configs)
     return plan_engines([(resolved, configs)], compare=compare, cache_dir=cache_dir, tree=tree)[0]
+
+
+# ---- which speculation method keeps N requests resident ---------------------------------
+
+Method = Literal["dflash", "mtp", "off"]
+
+
+class Residency(BaseModel):
+    """How many requests one speculation method keeps resident in the pool (`plan_methods`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: str  # dflash, mtp or off
+    speculative_tokens: int  # drafted per step (0: off)
+    refusal: str | None = None  # the settings cannot serve this method (one line); nothing below then
+    fits: bool = False  # the engine's own plan: a max_model_len request fits while it runs
+    pool_tokens: int = 0
+    max_concurrency: float = 0.0  # vLLM's: requests of max_model_len the pool holds at once
+    max_model_len: int = 0
+    slots: int = 0  # max_num_seqs: never more requests run at once
+    state_bytes_per_request: int = 0  # recurrent (GDN) state, incl. the speculative blocks
+    concurrency: int = 0  # the requests asked about
+    longest_resident: int = 0  # tokens each of `concurrency` requests may reach, all resident
+    request_tokens: int | None = None  # the length asked about, if any
+    resident: int | None = None  # how many of `concurrency` requests of request_tokens stay resident
+
+    @property
+    def all_resident(self) -> bool:
+        """Every one of the requests asked about runs at once, none preempted."""
+        if self.refusal is not None or self.concurrency > self.slots:
+            return False
+        if self.request_tokens is None:
+            return self.longest_resident > 0
+        return self.resident == self.concurrency
+
+
+def residency(method: str, plan: Plan, concurrency: int, request_tokens: int | None = None) -> Residency:
+    """``concurrency`` requests (of ``request_tokens`` each, prompt and answer, no shared prefix)
+    against the pool ``plan`` serves: each running request holds its recurrent state, the
+    speculative state blocks, a drafter's window and its context's attention blocks at its peak
+    (`entrypoint.kv_capacity.request_blocks`, the rule that keeps a request from preempting
+    itself)."""
+    cap = plan.serving
+    rows = [row.model_dump() for row in cap.groups]
+    lookahead = cap.lookahead_tokens or 0
+    in_flight = 1 if cap.async_scheduling else 0
+    num_blocks = cap.num_blocks or 0
+    longest = min(plan.max_model_len, longest_request(rows, num_blocks, lookahead, in_flight, concurrency))
+    resident = None
+    if request_tokens is not None:
+        each = request_blocks(rows, request_tokens, lookahead, in_flight)
+        fitting = (num_blocks - 1) // each if each else concurrency
+        resident = min(concurrency, plan.max_num_seqs, fitting) if request_tokens <= plan.max_model_len else 0
+    return Residency(
+        method=method,
+        speculative_tokens=plan.speculative_tokens,
+        fits=plan.fits,
+        pool_tokens=plan.pool_tokens,
+        max_concurrency=plan.max_concurrency,
+        max_model_len=plan.max_model_len,
+        slots=plan.max_num_seqs,
+        state_bytes_per_request=cap.state_bytes_per_request or 0,
+        concurrency=concurrency,
+        longest_resident=longest,
+        request_tokens=request_tokens,
+        resident=resident,
+    )
+
+
+def method_settings(settings: Settings, method: Method) -> Settings:
+    """``settings`` with SPECULATION=``method``; the knobs of the other methods (MTP_DEPTH;
+    LOOKUP, VERIFY_BLOCK) dropped where they would not apply."""
+    update: dict = {"speculation": False if method == "off" else method}
+    if method != "mtp":
+        update["mtp_depth"] = None
+    if method != "dflash":
+        update.update(lookup=None, verify_block=None)
+    return settings.model_copy(update=update)
+
+
+def plan_methods(
+    profile: Profile,
+    settings: Settings,
+    concurrency: int,
+    request_tokens: int | None = None,
+    *,
+    cache_dir: Path | None = None,
+    tree: Tree | None = None,
+) -> list[Residency]:
+    """`residency` for every speculation method ``profile`` allows, then none: one vLLM
+    process for all of them (the serving version of the tree), plans reused from ``cache_dir``.
+    A method the settings cannot serve (e.g. speculation with prefix caching on the CPU build)
+    is a refusal line in its row, not an error."""
+    if concurrency < 1:
+        raise PlanError(f"--concurrency {concurrency}: expected 1 or more requests")
+    methods: list[Method] = [m for m in ("dflash", "mtp") if profile.speculative and m in profile.speculative.methods]
+    items, rows = [], {}
+    for method in [*methods, "off"]:
+        try:
+            resolved = resolve(profile, method_settings(settings, method))
+            configs = read_model_configs(profile, resolved, settings.models_dir)
+            check_plannable(resolved, configs)
+        except StackError as exc:
+            rows[method] = Residency(method=method, speculative_tokens=0, refusal=str(exc), concurrency=concurrency,
+                                     request_tokens=request_tokens)
+            continue
+        items.append((method, resolved, configs))
+    plans = plan_engines([(r, c) for _, r, c in items], compare=False, cache_dir=cache_dir, tree=tree)
+    for (method, _, _), plan in zip(items, plans, strict=True):
+        rows[method] = residency(method, plan, concurrency, request_tokens)
+    return [rows[m] for m in [*methods, "off"]]

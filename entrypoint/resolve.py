@@ -57,22 +57,63 @@ def lookup_tokens(spec: Speculative, lookup: bool | None, verify_block: int | No
     return block - 1 - spec.num_speculative_tokens
 
 
-def _speculative(profile: Profile, settings: Settings, models_dir: Path) -> ResolvedSpeculative | None:
+def speculation_method(profile: Profile, choice: bool | str | None) -> str | None:
+    """The method ``choice`` (the SPECULATION setting) picks on ``profile``; None: off.
+
+    None leaves it to the profile (its own method where `enabled`), True is the profile's own
+    method, False off, a name that method if the profile allows it (one `SettingsError` line if not).
+    """
     spec = profile.speculative
-    speculation = settings.speculation if settings.speculation is not None else bool(spec and spec.enabled)
-    if speculation and spec is None:
-        raise SettingsError(f"SPECULATION=true: profile {profile.name} has no speculative decoding configured")
-    if not speculation:
-        if settings.lookup or settings.verify_block is not None:
-            knob = "LOOKUP=true" if settings.lookup else f"VERIFY_BLOCK={settings.verify_block}"
+    if choice is None:
+        return spec.method if spec is not None and spec.enabled else None
+    if choice is False:
+        return None
+    if spec is None:
+        said = "true" if choice is True else choice
+        raise SettingsError(f"SPECULATION={said}: profile {profile.name} has no speculative decoding configured")
+    if choice is True:
+        return spec.method
+    if choice not in spec.methods:
+        raise SettingsError(
+            f"SPECULATION={choice}: profile {profile.name} allows {', '.join(spec.methods)} or off, not {choice}"
+        )
+    return choice
+
+
+def _speculative(profile: Profile, settings: Settings, models_dir: Path) -> ResolvedSpeculative | None:
+    method = speculation_method(profile, settings.speculation)
+    if method != "dflash" and (settings.lookup or settings.verify_block is not None):
+        knob = "LOOKUP=true" if settings.lookup else f"VERIFY_BLOCK={settings.verify_block}"
+        if method is None:
             raise SettingsError(
                 f"{knob}: lookup drafting extends speculative decoding, which is off for profile "
                 f"{profile.name}; set SPECULATION=true"
             )
+        raise SettingsError(
+            f"{knob}: lookup drafting extends a dflash drafter, not method {method!r}; set SPECULATION=dflash"
+        )
+    if settings.mtp_depth is not None and method != "mtp":
+        raise SettingsError(
+            f"MTP_DEPTH={settings.mtp_depth}: speculation on profile {profile.name} is {method or 'off'}, "
+            "not mtp; set SPECULATION=mtp or unset MTP_DEPTH"
+        )
+    if method is None:
         return None
+    spec = profile.speculative
+    assert spec is not None  # a method was chosen from it
+    if method == "mtp":
+        return ResolvedSpeculative(
+            method="mtp",
+            drafter_tokens=settings.mtp_depth or spec.depth("mtp"),
+            lookup_tokens=0,
+            # The profile's sampling and backend are its drafter's; the MTP head keeps vLLM's defaults.
+            draft_sample_method=spec.draft_sample_method if spec.method == "mtp" else None,
+            drafter_dir=None,  # vLLM reads the head from the target (its `mtp.*` tensors)
+            attention_backend=spec.attention_backend if spec.method == "mtp" else None,
+        )
     drafter = profile.models.drafter
     return ResolvedSpeculative(
-        method=spec.method,
+        method=method,
         drafter_tokens=spec.num_speculative_tokens,
         lookup_tokens=lookup_tokens(spec, settings.lookup, settings.verify_block),
         draft_sample_method=spec.draft_sample_method,
@@ -217,6 +258,7 @@ def resolve(
         "kv_cache_memory_bytes": settings.kv_cache_memory_bytes,
         "enable_prefix_caching": settings.prefix_caching,
         "speculation": settings.speculation,
+        "mtp_depth": settings.mtp_depth,
         "lookup": settings.lookup,
         "verify_block": settings.verify_block,
         "enable_thinking": settings.enable_thinking,

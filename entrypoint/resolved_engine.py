@@ -26,6 +26,7 @@ KNOBS = {
     "kv_cache_memory_bytes": "KV_CACHE_MEMORY_BYTES",
     "enable_prefix_caching": "PREFIX_CACHING",
     "speculation": "SPECULATION",
+    "mtp_depth": "MTP_DEPTH",
     "lookup": "LOOKUP",
     "verify_block": "VERIFY_BLOCK",
     "enable_thinking": "ENABLE_THINKING",
@@ -40,8 +41,8 @@ class _Frozen(BaseModel):
 class ResolvedSpeculative(_Frozen):
     """Speculative decoding as the engine runs it."""
 
-    method: str
-    drafter_tokens: int  # the drafter's depth (the profile's num_speculative_tokens)
+    method: str  # dflash, mtp, ... (vLLM's speculative_config.method)
+    drafter_tokens: int  # the drafter's (or the MTP head's) depth: the profile's, or MTP_DEPTH
     lookup_tokens: int  # verify positions past the drafter's, filled by lookup drafting (patches 0070, 0072)
     draft_sample_method: str | None
     drafter_dir: str | None  # absolute; None for methods without a drafter model

@@ -1,6 +1,7 @@
 """`qwen38 verify`: prove, before launch, that the server will serve exactly what was pinned.
 
-For every model directory of the profile (target, drafter, adapter):
+For every model directory the engine will read (target, adapter, and the drafter where the
+speculation method chosen, SPECULATION, drafts with it: not for mtp or off):
 
 1. the manifest exists, parses and its digest matches its content (a hand edit fails);
 2. its identity is the one the profile slot and the lock call for:
@@ -53,6 +54,8 @@ from core.identity import digest_of
 from core.manifest import MANIFEST_NAME, Manifest, ManifestError, as_identity, content_files, read_manifest
 from core.stat_cache import CACHE_FILE, FileStamp, StatCache, is_trusted
 from entrypoint.patches import all_present, check_series, find_vllm_dir, installed_vllm, series_fingerprint
+from entrypoint.resolve import speculation_method
+from prepare.adapter import binding_problems
 from prepare.slot_identity import check_slot_identity
 
 EXPECTED_VLLM_VERSION = "0.28.0"
@@ -382,8 +385,15 @@ def identity_string(document: dict[str, Any]) -> str:
 # ---- the whole check ----------------------------------------------------------------
 
 
-def _profile_slots(profile) -> list[tuple[str, Any]]:
-    return [(name, getattr(profile.models, name)) for name in SLOT_NAMES if getattr(profile.models, name) is not None]
+def _profile_slots(profile, settings=None) -> list[tuple[str, Any]]:
+    """The model slots the engine will read: the drafter only where the speculation method the
+    settings choose (`speculation_method`) drafts with it (mtp and off read no drafter)."""
+    slots = [(name, getattr(profile.models, name)) for name in SLOT_NAMES if getattr(profile.models, name) is not None]
+    if settings is None or profile.speculative is None:
+        return slots
+    method = speculation_method(profile, settings.speculation)
+    drafts = method is not None and method == profile.speculative.method and profile.speculative.uses_drafter
+    return [(name, slot) for name, slot in slots if name != "drafter" or drafts]
 
 
 def verify_profile(
@@ -407,14 +417,15 @@ def verify_profile(
 
     lock_path = Path(lock_path or LOCK_PATH)
     lock = None
-    if any(slot.artifact is not None for _, slot in _profile_slots(profile)):
+    slots = _profile_slots(profile, settings)
+    if any(slot.artifact is not None for _, slot in slots):
         # Only profiles that serve pinned artifacts need it; with the pins prepare recorded here.
         lock = effective_lock(load_lock(lock_path), models_dir)
 
     # 1-2: manifests and identities, before reading a single weight.
     manifests: dict[str, tuple[str, Manifest]] = {}
     checks: list[tuple[Path, Manifest, DirReport]] = []
-    for name, slot in _profile_slots(profile):
+    for name, slot in slots:
         directory = models_dir / slot.dir
         dir_report = DirReport(slot=name, dir=str(directory), fix=_repair_hint(slot, profile))
         report.dirs.append(dir_report)
@@ -443,8 +454,6 @@ def verify_profile(
         checks.append((directory, manifest, dir_report))
     if "adapter" in manifests and "target" in manifests:
         # Across slots: the adapter's A = r^T W must come from the very target served.
-        from prepare.adapter import binding_problems
-
         report.problems += binding_problems(
             manifests["adapter"][1],
             manifests["target"][1],

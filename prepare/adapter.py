@@ -102,14 +102,7 @@ def _input_manifest(directory: Path, role: str) -> Manifest:
     except ManifestError as exc:
         raise AdapterError(f"{role} input: {exc}; the adapter is built from identified inputs only: {hint}") from None
     for mismatch in file_mismatches(directory, manifest)[:1]:
-        path = directory / mismatch.path
-        if mismatch.kind == "missing":
-            raise AdapterError(f"{path}: listed in its {MANIFEST_NAME} but missing; {hint}")
-        if mismatch.kind == "size":
-            raise AdapterError(
-                f"{path}: size expected {mismatch.expected} (its {MANIFEST_NAME}), found {mismatch.found}; {hint}"
-            )
-        raise AdapterError(f"{path}: not in {directory / MANIFEST_NAME} (an unverified file); {hint}")
+        raise AdapterError(f"{mismatch.describe(directory)}; {hint}")
     return manifest
 
 

@@ -83,21 +83,9 @@ class InputDirectory:
 
 def check_input_files(directory: Path, manifest: Manifest) -> None:
     """Cheap guard: the input holds exactly its manifest's files, each at its size."""
-    mismatches = file_mismatches(directory, manifest)
-    if not mismatches:
-        return
-    first = mismatches[0]
-    path = directory / first.path
-    if first.kind == "missing":
-        raise PrepareError(f"{path}: listed in {directory / MANIFEST_NAME} but missing; re-verify the download")
-    if first.kind == "size":
-        raise PrepareError(
-            f"{path}: {first.found} bytes, its manifest says {first.expected}; re-verify the download before preparing"
-        )
-    raise PrepareError(
-        f"{path}: not in {directory / MANIFEST_NAME} (expected absent); remove it or re-download "
-        "the input before preparing"
-    )
+    for mismatch in file_mismatches(directory, manifest)[:1]:
+        fix = "remove it or re-download the input" if mismatch.kind == "extra" else "re-verify the download"
+        raise PrepareError(f"{mismatch.describe(directory)}; {fix} before preparing")
 
 
 def local_input(directory: Path, role: str, *, only: Sequence[str] | None = None) -> InputDirectory:

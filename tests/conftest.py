@@ -283,6 +283,7 @@ SESSION_SERVERS = {
     "cpu_server": {"QWEN38_HEARTBEAT_S": "5"},  # a start-up heartbeat every 5 s, not 30: test_cpu_profile reads it
     "cpu_spec_server": {"SPECULATION": "true", "PREFIX_CACHING": "false"},
     "cpu_lookup_server": {"SPECULATION": "true", "PREFIX_CACHING": "false", "LOOKUP": "true"},
+    "cpu_mtp_server": {"SPECULATION": "mtp", "PREFIX_CACHING": "false"},
 }
 
 
@@ -338,6 +339,12 @@ def cpu_server(session_servers) -> Server:
 def cpu_spec_server(session_servers) -> Server:
     """The `cpu` profile with the DFlash drafter on (and prefix caching off, see cpu.toml)."""
     return session_servers.get("cpu_spec_server")
+
+
+@pytest.fixture(scope="session")
+def cpu_mtp_server(session_servers) -> Server:
+    """The `cpu` profile with the tiny target's own MTP head drafting (no drafter; prefix caching off)."""
+    return session_servers.get("cpu_mtp_server")
 
 
 @pytest.fixture(scope="session")

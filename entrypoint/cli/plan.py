@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from core.errors import PlanError
 from core.settings import load_settings, load_settings_profile
@@ -51,9 +52,62 @@ def render_plan(plan: planner.Plan) -> str:
     return "\n".join(lines)
 
 
+def render_methods(profile: str, rows: list[planner.Residency]) -> str:
+    """Which speculation method keeps the requests asked about resident, one line each."""
+    first = rows[0]
+    tokens = next((row.request_tokens for row in rows if row.request_tokens is not None), None)
+    asked = f" of {tokens:,} tokens" if tokens is not None else ""
+    lines = [f"profile {profile}: {first.concurrency} concurrent requests{asked}, by speculation method"]
+    for row in rows:
+        name = row.method if row.method == "off" or row.refusal else f"{row.method} K={row.speculative_tokens}"
+        if row.refusal is not None:
+            lines.append(f"  {name:<10} refused: {row.refusal}")
+            continue
+        lines.append(
+            f"  {name:<10} pool {row.pool_tokens:,} tokens ({row.max_concurrency:.2f} requests of "
+            f"{row.max_model_len:,}); state {_mib(row.state_bytes_per_request)} per request; "
+            + (
+                f"{row.concurrency} fit the pool up to {row.longest_resident:,} tokens each"
+                if row.longest_resident
+                else f"{row.concurrency} at once do not fit at any length (their state alone overflows the pool)"
+            )
+            + (f"; {row.resident} of {row.concurrency} resident" if row.resident is not None else "")
+            + ("" if row.fits else " (its max context does not fit: `qwen38 plan` says why)")
+        )
+    slots = {row.slots for row in rows if row.refusal is None}
+    if slots and first.concurrency > min(slots):
+        lines.append(f"  only {min(slots)} slots: set MAX_NUM_SEQS={first.concurrency} to run them all at once")
+    keep = [row.method for row in rows if row.all_resident]
+    lines.append(
+        f"  all {first.concurrency} resident with: {', '.join(keep)}"
+        if keep
+        else f"  no method keeps all {first.concurrency} resident: shorten them or raise KV_CACHE_MEMORY_BYTES"
+    )
+    return "\n".join(lines)
+
+
+def _cmd_methods(args: argparse.Namespace, settings, profile) -> int:
+    rows = planner.plan_methods(
+        profile,
+        settings,
+        args.concurrency,
+        args.request_tokens,
+        cache_dir=None if args.no_cache else settings.cache_dir,
+    )
+    if args.json:
+        print(json.dumps([{**row.model_dump(), "all_resident": row.all_resident} for row in rows], indent=2))
+    else:
+        print(render_methods(profile.name, rows))
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     settings = load_settings(profile=args.profile)
     profile = load_settings_profile(settings)
+    if args.request_tokens is not None and args.concurrency is None:
+        raise PlanError("--request-tokens needs --concurrency N (how many such requests at once)")
+    if args.concurrency is not None:
+        return _cmd_methods(args, settings, profile)
     plan = planner.plan_profile(
         profile, settings, compare=not args.no_compare, cache_dir=None if args.no_cache else settings.cache_dir
     )
@@ -78,4 +132,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--no-compare", action="store_true", help="only plan the engine that will serve")
     parser.add_argument("--no-cache", action="store_true", help="compute afresh; do not read or write CACHE_DIR/plan")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        metavar="N",
+        help="instead: for each speculation method the profile allows (dflash, mtp) and none, the pool and "
+        "how long N requests may grow while all stay resident (docs/speculation.md)",
+    )
+    parser.add_argument(
+        "--request-tokens",
+        type=int,
+        metavar="L",
+        help="with --concurrency: also say how many of N requests of L tokens (prompt + answer) stay resident",
+    )
     parser.set_defaults(func=_cmd_plan)

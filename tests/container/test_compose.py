@@ -28,9 +28,10 @@ from tests.container.tools import COMPOSE_FILE, PROFILES, REPO, compose, compose
 
 pytestmark = pytest.mark.container
 
-ONE_GPU_PROFILES = ["single", "long", "spark-lora"]
+ONE_GPU_PROFILES = ["single", "long", "batch", "spark-lora"]
 IMAGE_OF = {
-    "single": "rtx3090", "long": "rtx3090", "dual": "rtx3090", "spark-lora": "spark", "spark-pair": "spark",
+    "single": "rtx3090", "long": "rtx3090", "batch": "rtx3090", "dual": "rtx3090", "spark-lora": "spark",
+    "spark-pair": "spark",
     "cpu": "cpu",
 }  # fmt: skip
 # Host-networked servers (the hosts of `spark-pair`): no published port, no compose network.

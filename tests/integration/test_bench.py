@@ -110,6 +110,27 @@ def test_agent_threads_hit_the_prefix_cache(cpu_server, tmp_path):
     assert "with one" in stdout  # TTFT with and without a cached prefix
 
 
+def test_users_points_count_preemptions_from_the_servers_counter(cpu_server, tmp_path):
+    """The many-users workload at tiny size (2 and 4 users in flight: the profile's 4 slots):
+    every point's figures, and its preemptions read from the counter the real server exposes."""
+    with StackClient(cpu_server.base_url, cpu_server.api_key) as client:
+        before = client.metrics()
+        assert "vllm:num_preemptions_total" in before.samples  # the name vLLM 0.28.0 exposes
+        doc, stdout = _bench(
+            cpu_server,
+            tmp_path,
+            "users",
+            *("--system-tokens", "200", "--prompt-tokens", "40", "--output-tokens", "8"),
+            *("--concurrency", "2,4", "--rounds", "1"),
+        )
+        moved = client.metrics().total("vllm:num_preemptions_total") - before.total("vllm:num_preemptions_total")
+    _assert_self_consistent(doc, 8)
+    assert [(p["concurrency"], p["summary"]["requests"]) for p in doc["points"]] == [(2, 2), (4, 4)]
+    assert doc["preemptions"] == sum(p["preemptions"] for p in doc["points"]) == moved == 0  # a 462k-token pool
+    assert all(p["summary"]["ttft_s"]["p99"] >= p["summary"]["ttft_s"]["p50"] > 0 for p in doc["points"])
+    assert "PREEMPT" in stdout and "concurrency 4" in stdout
+
+
 def test_a_repeated_run_starts_from_a_cold_cache(cpu_server, tmp_path):
     """The per-run cache_salt: a repeat never meets the previous runs' cached prefixes.
 

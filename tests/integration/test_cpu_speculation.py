@@ -19,13 +19,19 @@ pytestmark = pytest.mark.integration
 PROMPTS = ["x", "The cache server keeps", "def verify(path):", "Tell me about the draft model and the queue."]
 
 
+_ANSWERS: dict[tuple[str, str], list[str]] = {}  # (server, model) -> greedy answers: asked once a session
+
+
 def _greedy(server, model: str) -> list[str]:
-    with StackClient(server.base_url, server.api_key) as client:
-        return [
-            client.post_json("/v1/completions", {"model": model, "prompt": p, "max_tokens": 32, "temperature": 0})[
-                "choices"][0]["text"]
-            for p in PROMPTS
-        ]
+    if (server.base_url, model) not in _ANSWERS:
+        with StackClient(server.base_url, server.api_key) as client:
+            _ANSWERS[server.base_url, model] = [
+                client.post_json(
+                    "/v1/completions", {"model": model, "prompt": p, "max_tokens": 32, "temperature": 0}
+                )["choices"][0]["text"]
+                for p in PROMPTS
+            ]
+    return _ANSWERS[server.base_url, model]
 
 
 def test_drafts_are_proposed_and_verified(cpu_spec_server):
@@ -78,6 +84,24 @@ def test_validate_apis_passes_with_speculation(cpu_spec_server):
     result = run_cli("validate", "apis", "--base-url", cpu_spec_server.base_url,
                      env=clean_env(VLLM_API_KEY=cpu_spec_server.api_key))
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+# ---- MTP: the target's own head drafts (SPECULATION=mtp, issue 55) -----------------------
+
+
+def test_mtp_drafts_with_the_targets_head_and_is_lossless(cpu_server, cpu_mtp_server):
+    """SPECULATION=mtp through `qwen38 serve`: no drafter directory, the tiny target's MTP head
+    proposes MTP_DEPTH's default 4 tokens per step (counted in /metrics), the target verifies
+    them, greedy output is the speculation-off server's, and the plan is the engine's pool."""
+    from tests.support.kv_pool import pools
+
+    moved = spec_decode_delta(
+        cpu_mtp_server, {"model": "qwen3.8-27b", "prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0}
+    )
+    assert moved["drafts"] > 0 and moved["draft_tokens"] == 4 * moved["drafts"]
+    assert _greedy(cpu_mtp_server, "qwen3.8-27b") == _greedy(cpu_server, "qwen3.8-27b")
+    pool = pools(cpu_mtp_server.log.read_text())
+    assert (pool.planned_tokens, pool.planned_concurrency) == (pool.engine_tokens, pool.engine_concurrency)
 
 
 # ---- lookup drafting (patch 0070) ------------------------------------------------------

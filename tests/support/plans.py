@@ -15,7 +15,7 @@ from tests.support.vllm_views import child_pythonpath
 # The knobs that override a profile: None unless a test sets them, so nothing from the
 # developer's shell leaks into a resolution.
 OVERRIDES = (
-    "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "speculation", "lookup", "verify_block",
+    "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "speculation", "mtp_depth", "lookup", "verify_block",
     "prefix_caching", "enable_thinking", "cuda_visible_devices", "custom_all_reduce", "nccl_p2p",
     "head_address", "node_address", "network_interface", "rdma_devices", "nccl_log_level",
 )  # fmt: skip
@@ -32,6 +32,8 @@ SEED_CASES = (
     ("single", True),
     ("long", False),
     ("long", True),
+    ("batch", False),
+    ("batch", True),
     ("spark-lora", None),
     ("dual", False),
     ("dual", True),

@@ -155,6 +155,7 @@ def test_every_workload_builds_the_same_requests_from_the_same_seed(tok, name):
         "c1": {"input_tokens": 40, "output_tokens": 8, "requests": 2},
         "c8": {"input_tokens": 40, "output_tokens": 8, "requests": 3, "concurrency": (1, 2)},
         "agent": {"system_tokens": 200, "threads": (2,), "turns": 3, "turn_tokens": 60, "output_tokens": 20},
+        "users": {"system_tokens": 200, "prompt_tokens": 60, "output_tokens": 20, "concurrency": (1, 2), "rounds": 2},
         "depth": {"depths": (0, 100, 300), "output_tokens": 8},
         "copy": {"document_tokens": 150},
     }[name]
@@ -174,6 +175,9 @@ def test_published_sizes_are_the_defaults():
     assert (c8.input_tokens, c8.output_tokens, c8.requests, c8.concurrency) == (1024, 256, 32, (8,))
     agent = params_from_args(WORKLOADS["agent"], {})
     assert agent.system_tokens == 5800 and 4 <= agent.threads[0] <= 12
+    users = params_from_args(WORKLOADS["users"], {})
+    assert (users.system_tokens, users.prompt_tokens, users.output_tokens, users.concurrency) == (
+        5800, 1000, 256, (8, 32, 64))
     assert params_from_args(WORKLOADS["depth"], {}).depths == (0, 10000, 43000, 100000)
     assert params_from_args(WORKLOADS["copy"], {}).document_tokens == 25000
 
@@ -204,6 +208,37 @@ def test_agent_threads_share_the_system_prompt_and_extend_their_own_history(tok)
             assert later.body["messages"][: len(earlier.body["messages"])] == earlier.body["messages"]
             assert later.expected_prompt_tokens > earlier.expected_prompt_tokens
         assert all(spec.body["tools"] == prompts.AGENT_TOOLS for spec in job)
+
+
+def test_users_points_keep_n_users_busy_on_one_shared_system_prompt(tok):
+    """C8/C32/C64 at tiny size: a point per concurrency, n users each sending `rounds` requests
+    one after the other; every request is the shared system prompt, the tools and one medium
+    message of its own, and the prefix is shared within a point, never across points."""
+    params = workloads.UsersParams(system_tokens=300, prompt_tokens=80, output_tokens=30, concurrency=(2, 5), rounds=3)
+    points = workloads.build_users(params, _ctx(tok))
+    assert [(p.label, p.concurrency, len(p.jobs)) for p in points] == [("concurrency 2", 2, 2), ("concurrency 5", 5, 5)]
+    specs = [spec for p in points for job in p.jobs for spec in job]
+    assert all(len(job) == 3 for p in points for job in p.jobs)
+    systems = {spec.body["messages"][0]["content"] for spec in specs}
+    assert len(systems) == 1 and len(tok.encode(system := systems.pop())) == 300
+    shared = tok.count_chat([{"role": "system", "content": system}], prompts.AGENT_TOOLS)
+    assert all([m["role"] for m in spec.body["messages"]] == ["system", "user"] for spec in specs)
+    assert all(spec.body["tools"] == prompts.AGENT_TOOLS and spec.body["max_tokens"] == 30 for spec in specs)
+    for point in points:
+        own = [spec.body["messages"][1]["content"] for job in point.jobs for spec in job]
+        assert len(set(own)) == len(own)  # no two requests of a point are the same
+        assert len({spec.body["cache_salt"] for job in point.jobs for spec in job}) == 1
+        # medium messages: 80 tokens +-50 % of content, plus the code/prose framing
+        assert all(40 <= spec.expected_prompt_tokens - shared <= 200 for job in point.jobs for spec in job)
+    assert points[0].jobs[0][0].body["cache_salt"] != points[1].jobs[0][0].body["cache_salt"]
+    # a smaller point sends the first requests of the larger one
+    assert points[0].jobs[1][2].body["messages"] == points[1].jobs[1][2].body["messages"]
+
+
+def test_users_refuses_an_unknown_tool_choice(tok):
+    with pytest.raises(BenchError, match="--tool-choice 'required': use auto or none"):
+        params = workloads.UsersParams(system_tokens=50, prompt_tokens=20, tool_choice="required")
+        workloads.build_users(params, _ctx(tok))
 
 
 def test_agent_tool_results_answer_the_scripted_tool_call(tok):

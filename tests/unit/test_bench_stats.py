@@ -108,10 +108,13 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="qwen3.
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="qwen3.8-27b",position="1"} 6.0
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="qwen3.8-27b",position="2"} 4.0
 vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="qwen3.8-27b",position="3"} 2.0
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="qwen3.8-27b"} 2.0
 """
 
 
-def _after(gen, prompt, queries, hits, drafts, draft_tokens, accepted, per_pos) -> str:
+def _after(gen, prompt, queries, hits, drafts, draft_tokens, accepted, per_pos, preempted=0) -> str:
     lines = [
         f'vllm:generation_tokens_total{{engine="0",model_name="qwen3.8-27b"}} {100 + gen}',
         f'vllm:prompt_tokens_total{{engine="0",model_name="qwen3.8-27b"}} {1000 + prompt}',
@@ -120,6 +123,7 @@ def _after(gen, prompt, queries, hits, drafts, draft_tokens, accepted, per_pos) 
         f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="qwen3.8-27b"}} {10 + drafts}',
         f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="qwen3.8-27b"}} {40 + draft_tokens}',
         f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="qwen3.8-27b"}} {20 + accepted}',
+        f'vllm:num_preemptions_total{{engine="0",model_name="qwen3.8-27b"}} {2 + preempted}',
     ]
     start = [8, 6, 4, 2]
     lines += [
@@ -166,6 +170,23 @@ def test_deltas_add_up_over_points():
     total = _delta() + _delta(gen=5, per_pos=[1, 0, 0, 0], accepted=1)
     assert total.counters["generation_tokens"] == 15
     assert total.accepted_per_position == {0: 4, 1: 2, 2: 1, 3: 0}
+
+
+def test_preemptions_are_counted_from_vllms_counter_per_window():
+    """vLLM 0.28.0's `vllm:num_preemptions` counter (exposed as `_total`) moved by the window:
+    the requests the scheduler took off the GPU for want of KV pages, summed over points."""
+    delta = _delta(preempted=5)
+    assert delta.counters["preemptions"] == 5
+    assert summarize([_record()], 1.0, delta)["preemptions"] == 5
+    assert summarize([_record()], 1.0, _delta())["preemptions"] == 0
+    assert (delta + _delta(preempted=3)).counters["preemptions"] == 8
+    assert delta.to_json()["preemptions"] == 5
+
+
+def test_a_server_without_the_preemption_counter_counts_none():
+    before = parse_metrics('vllm:generation_tokens_total{engine="0"} 1.0\n')
+    after = parse_metrics('vllm:generation_tokens_total{engine="0"} 9.0\n')
+    assert metric_delta(before, after).counters["preemptions"] == 0
 
 
 def test_summary_figures():
@@ -277,11 +298,14 @@ def test_document_has_the_promised_top_level_fields():
     assert doc["acceptance_length"] == pytest.approx(1 + 8 / 8)
     assert [p["x"] for p in doc["points"]] == [1, 2]
     assert doc["parameters"]["requests"] == 2 and doc["parameters"]["seed"] == 0
+    assert doc["preemptions"] == 0 and [p["preemptions"] for p in doc["points"]] == [0, 0]
 
 
 def test_table_shows_every_point_and_the_checks():
     text = report.table(_doc())
     assert "concurrency 1" in text and "concurrency 2" in text
+    header = next(line for line in text.splitlines() if line.startswith("POINT"))
+    assert header.split()[-1] == "PREEMPT"
     assert "per-position acceptance 0.50 0.25 0.25 0.00" in text
     assert "checks:" in text
 

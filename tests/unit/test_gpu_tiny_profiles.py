@@ -71,3 +71,27 @@ def test_the_tier_writes_four_profiles_and_its_reference_serves_without_the_draf
     # the same engine otherwise: the lossless comparison compares the drafter alone
     same = {k: v for k, v in plain.config.items() if k != "compilation-config"}
     assert same == {k: v for k, v in spec.config.items() if k not in ("speculative-config", "compilation-config")}
+
+
+def test_tiny_batch_profile_keeps_its_64_slots_fp8_kv_and_w4a8_and_vllm_parses_it(tmp_path):
+    """`batch` has no drafter slot: its tiny copy serves the tiny target alone with the real
+    profile's 64 slots, fp8 KV, prefix caching, fp16 state, CUDA graphs to 64 and the W4A8 switch
+    (a no-op for the tiny bf16 target: only Marlin layers read it)."""
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    data = derive("batch", {"target": "tiny/target"}, extra_engine={"gpu_memory_utilization": 0.15})
+    directory = write_profiles(tmp_path / "profiles", {"batch-tiny": data})
+    tiny = load_profile("batch-tiny", directory)
+    assert tiny.speculative is None and tiny.models.drafter is None
+    settings = Settings(_env_file=None, profile="batch-tiny", profiles_dir=directory, models_dir=tmp_path / "m",
+                        cache_dir=tmp_path / "cache")
+    inv = render_resolved(tiny, settings, KEY)
+    inv.config_path.parent.mkdir(parents=True)
+    inv.config_path.write_text(inv.config_yaml())
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(inv.argv[3:])
+    assert (args.max_num_seqs, args.kv_cache_dtype, args.mamba_ssm_cache_dtype) == (64, "fp8", "float16")
+    assert args.enable_prefix_caching and args.speculative_config is None
+    assert args.max_model_len == TINY_MAX_MODEL_LEN and args.kv_cache_memory_bytes == TINY_KV_BYTES
+    assert args.compilation_config.max_cudagraph_capture_size == 64
+    assert inv.env["VLLM_MARLIN_INPUT_DTYPE"] == "int8"

@@ -176,6 +176,26 @@ def test_vllms_own_parser_reads_the_rendered_config_as_intended(name, tmp_path):
         assert args.distributed_executor_backend == "mp"  # vLLM's own executor, never Ray
 
 
+@pytest.mark.parametrize(
+    "name", sorted(n for n in profile_names() if (s := load_profile(n).speculative) and "mtp" in s.methods)
+)
+def test_vllms_own_parser_reads_the_rendered_mtp_config(name, tmp_path):
+    """SPECULATION=mtp renders vLLM 0.28.0's `{"method": "mtp", "num_speculative_tokens": N}` (no
+    drafter model: vLLM takes the target's own head) and its parser takes the YAML as meant."""
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    profile = load_profile(name)
+    chosen = settings(profile=name, cache_dir=tmp_path, speculation="mtp", mtp_depth=3, prefix_caching=False)
+    inv = render_resolved(profile, chosen, KEY)
+    inv.config_path.parent.mkdir(parents=True)
+    inv.config_path.write_text(inv.config_yaml())
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(inv.argv[3:])
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 3}
+    if profile.platform == "cuda":
+        assert args.compilation_config.max_cudagraph_capture_size == profile.engine.max_num_seqs * 4
+
+
 def test_render_json_on_the_cli_masks_the_key():
     secret = KEY.get_secret_value()
     result = run_cli("render", "--profile", "spark-lora", "--json", env=clean_env(VLLM_API_KEY=secret))

@@ -310,9 +310,9 @@ def test_a_same_size_edit_passes_sizes_and_fails_only_the_recheck(tmp_path):
 
 
 @pytest.mark.parametrize("change", ["missing", "size", "extra"])
-def test_the_input_guards_word_each_mismatch_as_before(tmp_path, change):
+def test_the_input_guards_name_the_first_mismatch_in_one_wording(tmp_path, change):
     """`prepare.derived.check_input_files` and the adapter's input check refuse the first
-    `file_mismatches` entry, each in its own words."""
+    `file_mismatches` entry, described once (`FileMismatch.describe`), each with its own fix."""
     from core.errors import AdapterError
     from prepare.adapter import _input_manifest
     from prepare.derived import check_input_files
@@ -320,22 +320,17 @@ def test_the_input_guards_word_each_mismatch_as_before(tmp_path, change):
     d, manifest = _prepared(tmp_path)
     if change == "missing":
         (d / "b.bin").unlink()
-        derived = f"{d / 'b.bin'}: listed in {d / MANIFEST_NAME} but missing; re-verify the download"
-        adapter = f"{d / 'b.bin'}: listed in its {MANIFEST_NAME} but missing; "
+        line, fix = f"{d / 'b.bin'}: listed in {d / MANIFEST_NAME} but missing", "re-verify the download"
     elif change == "size":
         (d / "b.bin").write_bytes(b"bbbbb")
-        derived = f"{d / 'b.bin'}: 5 bytes, its manifest says 2; re-verify the download before preparing"
-        adapter = f"{d / 'b.bin'}: size expected 2 (its {MANIFEST_NAME}), found 5; "
+        line, fix = f"{d / 'b.bin'}: size expected 2 (its {MANIFEST_NAME}), found 5", "re-verify the download"
     else:
         (d / "sub" / "x.bin").write_bytes(b"x")
-        derived = (
-            f"{d / 'sub' / 'x.bin'}: not in {d / MANIFEST_NAME} (expected absent); remove it or re-download "
-            "the input before preparing"
-        )
-        adapter = f"{d / 'sub' / 'x.bin'}: not in {d / MANIFEST_NAME} (an unverified file); "
+        line = f"{d / 'sub' / 'x.bin'}: not in {d / MANIFEST_NAME} (expected absent)"
+        fix = "remove it or re-download the input"
     with pytest.raises(PrepareError) as info:
         check_input_files(d, manifest)
-    assert str(info.value) == derived
+    assert str(info.value) == f"{line}; {fix} before preparing"
     with pytest.raises(AdapterError) as info:
         _input_manifest(d, "directions")
-    assert str(info.value).startswith(adapter)
+    assert str(info.value).startswith(f"{line}; ")

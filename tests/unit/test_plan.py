@@ -229,7 +229,7 @@ def test_plan_json_has_the_fields_the_launcher_reads(seed_plans):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["single", "long", "dual"])
+@pytest.mark.parametrize("name", ["single", "long", "batch", "dual"])
 def test_profile_capacity_records_what_the_planner_finds(seed_plans, name):
     capacity = load_profile(name).capacity
     assert seed_plans[(name, False)].pool_tokens == capacity.pool_tokens
@@ -244,6 +244,17 @@ def test_all_slots_busy_is_reported_not_assumed(seed_plans):
     assert single.state_bytes_per_request == 6 * 9 * single.bytes_per_block
     assert single.slots_resident < 8 and not single.fits_with_all_slots_busy
     assert single.slots_resident_with_max_context == 1
+
+
+@pytest.mark.slow
+def test_batch_keeps_its_64_slots_resident_only_without_prefix_caching(seed_plans):
+    """No drafter: one fp16 GDN state copy per request, two in prefix caching's align mode
+    (150 MiB), so the 6.5 GiB fp8 pool keeps all 64 slots only with prefix caching off."""
+    off, on = seed_plans[("batch", False)].serving, seed_plans[("batch", True)].serving
+    assert off.fits and on.fits and on.max_model_len == 153600
+    assert on.state_bytes_per_request == 2 * off.state_bytes_per_request == 6 * on.bytes_per_block
+    assert (off.slots_resident, on.slots_resident) == (64, 38)
+    assert off.context_bytes_per_token == 16 * 4 * 256 * 2  # fp8: one byte per K/V element
 
 
 @pytest.mark.slow

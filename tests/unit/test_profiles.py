@@ -10,7 +10,7 @@ import pytest
 from core.errors import ProfileError
 from core.profiles import PROFILES_DIR, load_profile, profile_names
 
-EXPECTED = {"cpu", "single", "long", "dual", "spark-lora", "spark-pair"}
+EXPECTED = {"cpu", "single", "long", "batch", "dual", "spark-lora", "spark-pair"}
 
 
 def test_every_profile_of_the_design_exists_and_loads():
@@ -63,6 +63,19 @@ def test_profiles_table_names_the_gpus_and_hosts():
     assert "| `dual` | 2x rtx3090 | 131,072 | 8 |" in table
     assert "| `spark-pair` | 2x dgx-spark (2 hosts) | 262,144 | 4 |" in table
     assert "| `single` | rtx3090 | 65,536 | 8 |" in table
+    assert "| `batch` | rtx3090 | 153,600 | 64 | fp8, prefix caching | none |" in table
+
+
+def test_batch_serves_many_users_without_a_drafter():
+    """`batch`: 64 slots, no speculation and so no drafter slot, fp8 KV in a pinned pool, fp16
+    GDN state, and Marlin's int8 activations (W4A8) where 64 rows make the GEMMs compute-bound."""
+    batch = load_profile("batch")
+    assert batch.speculative is None and batch.models.drafter is None
+    assert (batch.engine.max_num_seqs, batch.engine.kv_cache_dtype, batch.engine.mamba_ssm_cache_dtype) == (
+        64, "fp8", "float16")
+    assert batch.engine.enable_prefix_caching and batch.engine.kv_cache_memory_bytes == 6_979_321_856
+    assert batch.env["VLLM_MARLIN_INPUT_DTYPE"] == "int8" and batch.require_patches
+    assert "VLLM_MARLIN_INPUT_DTYPE" not in load_profile("single").env  # 1-8 rows stay W4A16
 
 
 @pytest.fixture
@@ -127,5 +140,37 @@ def test_invalid_toml_and_unknown_profile(profiles_copy):
     (profiles_copy / "broken.toml").write_text("engine = [\n")
     with pytest.raises(ProfileError, match="not valid TOML"):
         load_profile("broken", profiles_copy)
-    with pytest.raises(ProfileError, match="unknown profile 'nope'.*known profiles: broken, cpu"):
+    with pytest.raises(ProfileError, match="unknown profile 'nope'.*known profiles: batch, broken, cpu"):
         load_profile("nope", profiles_copy)
+
+
+def test_the_3090_profiles_and_cpu_allow_mtp_at_the_seeds_depth_beside_their_drafter():
+    for name in ("single", "long", "dual", "cpu"):
+        spec = load_profile(name).speculative
+        assert spec.methods == ("dflash", "mtp") and spec.depth("mtp") == 4 and spec.depth("dflash") > 0
+    for name in ("spark-lora", "spark-pair"):
+        assert load_profile(name).speculative.methods == ("dflash",)
+    with pytest.raises(ValueError, match="not one of this profile's"):
+        load_profile("spark-lora").speculative.depth("mtp")
+
+
+@pytest.mark.parametrize(
+    ("new", "message"),
+    [
+        ("num_speculative_tokens = 0", r"speculative\.mtp\.num_speculative_tokens: Input should be greater than or"),
+        ("num_speculative_tokens = 16", r"speculative\.mtp\.num_speculative_tokens: Input should be less than or"),
+        ("depth = 4", r"speculative\.mtp\.depth: Extra inputs"),
+    ],
+)
+def test_a_bad_mtp_table_is_one_line_naming_the_file(profiles_copy, new, message):
+    _edit(profiles_copy, "cpu", "[speculative.mtp]                   # SPECULATION=mtp: the target's own MTP head, "
+          "no drafter\nnum_speculative_tokens = 4", f"[speculative.mtp]\n{new}")
+    with pytest.raises(ProfileError, match=message) as info:
+        load_profile("cpu", profiles_copy)
+    assert str(profiles_copy / "cpu.toml") in str(info.value)
+
+
+def test_mtp_as_the_profiles_own_method_takes_no_second_depth(profiles_copy):
+    _edit(profiles_copy, "cpu", 'method = "dflash"', 'method = "mtp"')
+    with pytest.raises(ProfileError, match=r"method mtp takes its depth from num_speculative_tokens"):
+        load_profile("cpu", profiles_copy)

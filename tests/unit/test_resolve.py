@@ -25,9 +25,13 @@ KEY = SecretStr("s3cret-" + "k" * 20)
 
 def _combinations():
     for name in profile_names():
-        for speculation, prefix_caching in itertools.product((True, False), repeat=2):
+        spec = load_profile(name).speculative
+        choices = (True, False, *(("mtp",) if spec is not None and "mtp" in spec.methods else ()))
+        for speculation, prefix_caching in itertools.product(choices, (True, False)):
             if load_profile(name).platform == "cpu" and speculation and prefix_caching:
                 continue  # refused, see test_conflicts_are_one_settings_error_for_render_and_plan
+            if speculation and spec is None:
+                continue  # refused: nothing to speculate with
             yield name, speculation, prefix_caching
 
 
@@ -72,6 +76,14 @@ def test_the_planner_plans_exactly_what_the_launch_renders(name, speculation, pr
         ("single", {"lookup": True, "speculation": False}, "set SPECULATION=true"),
         ("single", {"verify_block": 12}, r"VERIFY_BLOCK=12: without lookup drafting"),
         ("single", {"lookup": True, "verify_block": 8}, r"VERIFY_BLOCK=8: .* must be 9\.\.16"),
+        ("single", {"speculation": "mtp", "lookup": True},
+         r"LOOKUP=true: lookup drafting extends a dflash drafter, not method 'mtp'; set SPECULATION=dflash"),
+        ("single", {"speculation": "mtp", "verify_block": 12}, r"VERIFY_BLOCK=12: .*not method 'mtp'"),
+        ("single", {"mtp_depth": 3}, r"MTP_DEPTH=3: speculation on profile single is dflash, not mtp; "
+         "set SPECULATION=mtp or unset MTP_DEPTH"),
+        ("single", {"speculation": False, "mtp_depth": 3}, r"MTP_DEPTH=3: .* is off, not mtp"),
+        ("spark-lora", {"speculation": "mtp"}, r"SPECULATION=mtp: profile spark-lora allows dflash or off, not mtp"),
+        ("batch", {"speculation": "mtp"}, r"SPECULATION=mtp: profile batch has no speculative decoding"),
     ],
 )
 def test_conflicts_are_one_settings_error_for_render_and_plan(profile, values, message, tmp_path):
@@ -154,3 +166,61 @@ def test_every_nested_model_of_the_resolution_is_walked_by_the_digest():
         if any(isinstance(t, type) and issubclass(t, BaseModel) for t in getattr(info.annotation, "__args__", ()))
     }
     assert models == {p.split(".")[0] for p in field_paths() if "." in p}
+
+
+@pytest.mark.parametrize("name", ["single", "long", "dual", "cpu"])
+def test_mtp_resolves_to_the_targets_head_with_the_seeds_depth_and_no_drafter(name, tmp_path):
+    profile = load_profile(name)
+    settings = user_settings(name, models_dir=tmp_path, speculation="mtp", prefix_caching=False)
+    spec = resolve(profile, settings).speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.lookup_tokens, spec.drafter_dir) == ("mtp", 4, 0, None)
+    assert spec.draft_sample_method is None  # the drafter's probabilistic sampling is not the head's
+    config = render_resolved(profile, settings, KEY).config
+    assert config["speculative-config"] == {"method": "mtp", "num_speculative_tokens": 4}
+
+
+def test_true_keeps_the_profiles_own_method_and_false_turns_it_off(tmp_path):
+    single = load_profile("single")
+    assert resolve(single, user_settings("single", models_dir=tmp_path)).speculative.method == "dflash"
+    assert resolve(single, user_settings("single", models_dir=tmp_path, speculation=True)).speculative.method == "dflash"
+    assert resolve(single, user_settings("single", models_dir=tmp_path, speculation="dflash")).speculative.method == (
+        "dflash"
+    )
+    assert resolve(single, user_settings("single", models_dir=tmp_path, speculation=False)).speculative is None
+    cpu = load_profile("cpu")  # speculation off by default: true turns its own method (dflash) on
+    assert resolve(cpu, user_settings("cpu", models_dir=tmp_path)).speculative is None
+    on = resolve(cpu, user_settings("cpu", models_dir=tmp_path, speculation=True, prefix_caching=False))
+    assert on.speculative.method == "dflash"
+
+
+def test_mtp_depth_sets_the_verify_block_the_cuda_graphs_and_the_compile_cache_key(tmp_path):
+    single = load_profile("single")
+    dflash = resolve(single, user_settings("single", models_dir=tmp_path))
+    mtp = resolve(single, user_settings("single", models_dir=tmp_path, speculation="mtp"))
+    deeper = resolve(single, user_settings("single", models_dir=tmp_path, speculation="mtp", mtp_depth=6))
+    assert deeper.speculative.num_speculative_tokens == 6
+    assert (dflash.cudagraph_capture_limit, mtp.cudagraph_capture_limit, deeper.cudagraph_capture_limit) == (
+        8 * 8, 8 * 5, 8 * 7
+    )
+    assert len({compile_cache_key(dflash), compile_cache_key(mtp), compile_cache_key(deeper)}) == 3
+    assert render_resolved(single, user_settings("single", models_dir=tmp_path, speculation="mtp", mtp_depth=6),
+                           KEY).config["speculative-config"]["num_speculative_tokens"] == 6
+
+
+def test_mtp_plans_the_target_as_its_own_drafter(tmp_path):
+    """The planner's request for mtp names no drafter: vLLM takes the head from the target."""
+    single = load_profile("single")
+    resolved = resolve(single, user_settings("single", models_dir=tmp_path, speculation="mtp"))
+    configs = read_model_configs(single, resolved, tmp_path)
+    assert configs.drafter is None
+    request = build_request(resolved, configs, tmp_path / "w")
+    assert request["engine_args"]["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 4}
+
+
+def test_mtp_on_a_target_without_an_mtp_head_is_refused_before_planning(tmp_path):
+    from entrypoint.model_configs import check_model_limits
+
+    resolved = resolve(load_profile("single"), user_settings("single", models_dir=tmp_path, speculation="mtp"))
+    with pytest.raises(SettingsError, match="speculation mtp needs the target's MTP head"):
+        check_model_limits(resolved, {"text_config": {"max_position_embeddings": 262144}})
+    check_model_limits(resolved, {"text_config": {"max_position_embeddings": 262144, "mtp_num_hidden_layers": 1}})

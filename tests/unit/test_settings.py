@@ -47,9 +47,15 @@ def test_unknown_key_in_dotenv_is_named_with_a_suggestion(tmp_path):
     [
         ("PORT", "70000", r"PORT=\"70000\": Input should be less than or equal to 65535"),
         ("MAX_MODEL_LEN", "0", r"MAX_MODEL_LEN=\"0\": Input should be greater than or equal to 256"),
-        ("SPECULATION", "maybe", r"SPECULATION=\"maybe\": Input should be a valid boolean"),
+        ("SPECULATION", "maybe", r"SPECULATION=\"maybe\": expected dflash, mtp or off \(true: the profile's own"),
+        ("SPECULATION", "eagle", r"SPECULATION=\"eagle\": expected dflash, mtp or off"),
+        ("SPECULATION", "2", r"SPECULATION=\"2\": expected dflash, mtp or off"),
+        ("MTP_DEPTH", "0", r"MTP_DEPTH=\"0\": Input should be greater than or equal to 1"),
+        ("MTP_DEPTH", "16", r"MTP_DEPTH=\"16\": Input should be less than or equal to 15"),
+        ("MTP_DEPTH", "four", r"MTP_DEPTH=\"four\": Input should be a valid integer"),
         ("PROFILE", "fast",
-         r"PROFILE=fast: no profile 'fast' in \S+; known profiles: cpu, dual, long, single, spark-lora, spark-pair"),
+         r"PROFILE=fast: no profile 'fast' in \S+; known profiles: "
+         r"batch, cpu, dual, long, single, spark-lora, spark-pair"),
         ("CUDA_VISIBLE_DEVICES", "all", r"CUDA_VISIBLE_DEVICES=\"all\": String should match pattern"),
         ("CUDA_VISIBLE_DEVICES", "0,", r"CUDA_VISIBLE_DEVICES=\"0,\": String should match pattern"),
         ("GPU_DEVICES", "0", r"GPU_DEVICES=\"0\": String should match pattern"),
@@ -65,6 +71,28 @@ def test_bad_values_fail_with_one_line_naming_the_knob(monkeypatch, name, value,
     with pytest.raises(SettingsError, match=message) as info:
         load_settings(env_file=None)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "chosen"),
+    [
+        ("dflash", "dflash"), ("mtp", "mtp"), ("MTP", "mtp"), (" Dflash ", "dflash"),
+        ("off", False), ("false", False), ("0", False), ("no", False), ("n", False), ("f", False),
+        ("on", True), ("true", True), ("TRUE", True), ("1", True), ("yes", True), ("y", True), ("t", True),
+    ],
+)
+def test_speculation_takes_a_method_or_the_booleans_it_always_took(monkeypatch, value, chosen):
+    """`dflash`/`mtp` name a method; true keeps meaning the profile's own method, false (and
+    `off`) none, in every spelling pydantic read as a boolean before SPECULATION took names."""
+    monkeypatch.setenv("SPECULATION", value)
+    assert load_settings(env_file=None).speculation == chosen
+    assert type(load_settings(env_file=None).speculation) is type(chosen)
+
+
+def test_speculation_and_mtp_depth_from_code_keep_their_types():
+    assert load_settings(env_file=None, speculation=True).speculation is True
+    assert load_settings(env_file=None, speculation=False).speculation is False
+    assert load_settings(env_file=None, speculation="mtp", mtp_depth=3).mtp_depth == 3
 
 
 def test_empty_value_means_unset_not_zero(monkeypatch):

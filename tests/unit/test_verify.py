@@ -466,3 +466,24 @@ def test_cli_verify_failure_is_one_line_and_nonzero(cli_env, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert err.startswith(f"qwen38: verify: {cli_env.dir / 'config.json'}: size expected")
+
+
+# ---- the slots a speculation method reads ------------------------------------------------
+
+
+@pytest.mark.parametrize(("speculation", "needs_drafter"), [("mtp", False), (False, False), ("dflash", True),
+                                                              (True, True), (None, True)])
+def test_only_a_method_that_drafts_with_the_drafter_needs_its_directory(tiny, speculation, needs_drafter):
+    """SPECULATION=mtp reads the target's own head and off reads nothing more: a profile whose
+    drafter was never prepared verifies for them, and dflash (its own method) names the drafter."""
+    data = tiny.profile.model_dump(exclude={"speculative"})
+    data["models"]["drafter"] = {"dir": "never-prepared", "generated": "tiny"}
+    data["speculative"] = {"method": "dflash", "num_speculative_tokens": 7, "mtp": {"num_speculative_tokens": 4}}
+    profile = type(tiny.profile).model_validate(data)
+    settings = tiny.settings.model_copy(update={"speculation": speculation})
+    ns = types.SimpleNamespace(profile=profile, settings=settings)
+    if needs_drafter:
+        assert "never-prepared: missing (drafter of profile test)" in _fail(ns)
+    else:
+        report = _ok(ns)
+        assert [d.slot for d in report.dirs] == ["target"] and "drafter=" not in report.identity
