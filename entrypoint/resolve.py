@@ -80,6 +80,14 @@ def speculation_method(profile: Profile, choice: bool | str | None) -> str | Non
     return choice
 
 
+def reads_drafter(profile: Profile, choice: bool | str | None) -> bool:
+    """Whether the engine reads the profile's drafter directory with SPECULATION ``choice``:
+    only its own drafting method does (mtp and off read none)."""
+    spec, drafter = profile.speculative, profile.models.drafter
+    method = speculation_method(profile, choice)
+    return method is not None and method == spec.method and spec.uses_drafter and drafter is not None
+
+
 def _speculative(profile: Profile, settings: Settings, models_dir: Path) -> ResolvedSpeculative | None:
     method = speculation_method(profile, settings.speculation)
     if method != "dflash" and (settings.lookup or settings.verify_block is not None):
@@ -117,7 +125,7 @@ def _speculative(profile: Profile, settings: Settings, models_dir: Path) -> Reso
         drafter_tokens=spec.num_speculative_tokens,
         lookup_tokens=lookup_tokens(spec, settings.lookup, settings.verify_block),
         draft_sample_method=spec.draft_sample_method,
-        drafter_dir=str((models_dir / drafter.dir).absolute()) if spec.uses_drafter and drafter else None,
+        drafter_dir=str((models_dir / drafter.dir).absolute()) if reads_drafter(profile, settings.speculation) else None,
         attention_backend=spec.attention_backend,
     )
 

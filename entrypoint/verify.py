@@ -54,7 +54,6 @@ from core.identity import digest_of
 from core.manifest import MANIFEST_NAME, Manifest, ManifestError, as_identity, content_files, read_manifest
 from core.stat_cache import CACHE_FILE, FileStamp, StatCache, is_trusted
 from entrypoint.patches import all_present, check_series, find_vllm_dir, installed_vllm, series_fingerprint
-from entrypoint.resolve import speculation_method
 from prepare.adapter import binding_problems
 from prepare.slot_identity import check_slot_identity
 
@@ -385,15 +384,11 @@ def identity_string(document: dict[str, Any]) -> str:
 # ---- the whole check ----------------------------------------------------------------
 
 
-def _profile_slots(profile, settings=None) -> list[tuple[str, Any]]:
-    """The model slots the engine will read: the drafter only where the speculation method the
-    settings choose (`speculation_method`) drafts with it (mtp and off read no drafter)."""
+def _profile_slots(profile, reads_drafter: bool = True) -> list[tuple[str, Any]]:
+    """The model slots the engine will read: the drafter only where the speculation method
+    chosen drafts with it (mtp and off read no drafter)."""
     slots = [(name, getattr(profile.models, name)) for name in SLOT_NAMES if getattr(profile.models, name) is not None]
-    if settings is None or profile.speculative is None:
-        return slots
-    method = speculation_method(profile, settings.speculation)
-    drafts = method is not None and method == profile.speculative.method and profile.speculative.uses_drafter
-    return [(name, slot) for name, slot in slots if name != "drafter" or drafts]
+    return [(name, slot) for name, slot in slots if name != "drafter" or reads_drafter]
 
 
 def verify_profile(
@@ -403,8 +398,12 @@ def verify_profile(
     *,
     jobs: int | None = None,
     lock_path: Path | str | None = None,
+    reads_drafter: bool = True,
 ) -> VerifyReport:
     """Verify everything ``profile`` will serve; raises `VerifyFailed` (a `VerifyError`).
+
+    ``reads_drafter``: whether the engine reads the drafter's directory, as the resolved
+    engine says (False where SPECULATION chose mtp or off: its drafter is not checked).
 
     Uses ``settings.models_dir`` and ``settings.cache_dir``; returns the report (with
     ``.identity``) and writes the status file on success.
@@ -417,7 +416,7 @@ def verify_profile(
 
     lock_path = Path(lock_path or LOCK_PATH)
     lock = None
-    slots = _profile_slots(profile, settings)
+    slots = _profile_slots(profile, reads_drafter)
     if any(slot.artifact is not None for _, slot in slots):
         # Only profiles that serve pinned artifacts need it; with the pins prepare recorded here.
         lock = effective_lock(load_lock(lock_path), models_dir)

@@ -27,11 +27,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     # the settings and the profiles only once verify runs, as before: its parser stays light
     from core import profiles
     from core.settings import load_settings  # (pydantic-settings: only once verify runs)
+    from entrypoint.resolve import reads_drafter  # (which slots SPECULATION reads)
 
     settings = load_settings(profile=args.profile)
     profile = profiles.load_profile(settings.profile, settings.profiles_dir)
     try:
-        report = verify.verify_profile(profile, settings, full=args.full, jobs=args.jobs, lock_path=args.lock)
+        report = verify.verify_profile(profile, settings, full=args.full, jobs=args.jobs, lock_path=args.lock,
+                                       reads_drafter=reads_drafter(profile, settings.speculation))
     except verify.VerifyFailed as exc:
         if args.json:
             print(json.dumps(exc.report.to_dict(), indent=2, default=str))

@@ -19,6 +19,7 @@ from core.identity import DerivedIdentity, GeneratedIdentity
 from core.manifest import MANIFEST_NAME, input_ref, read_manifest, write_manifest
 from entrypoint.cli import main
 from entrypoint.patches import read_series_names
+from entrypoint.resolve import reads_drafter, resolve
 from entrypoint.verify import STATUS_PATH, VerifyFailed, check_vllm_version, installed_vllm, read_status, verify_profile
 from prepare.generate import GENERATOR_VERSION as TINY_VERSION
 from tests.pinning_support import (  # noqa: F401 (no_racy_window is a fixture)
@@ -482,8 +483,11 @@ def test_only_a_method_that_drafts_with_the_drafter_needs_its_directory(tiny, sp
     profile = type(tiny.profile).model_validate(data)
     settings = tiny.settings.model_copy(update={"speculation": speculation})
     ns = types.SimpleNamespace(profile=profile, settings=settings)
+    reads = reads_drafter(profile, speculation)  # what `qwen38 verify` passes; `serve` reads the resolved engine
+    spec = resolve(profile, settings).speculative
+    assert reads == needs_drafter == (spec is not None and spec.drafter_dir is not None)
     if needs_drafter:
-        assert "never-prepared: missing (drafter of profile test)" in _fail(ns)
+        assert "never-prepared: missing (drafter of profile test)" in _fail(ns, reads_drafter=reads)
     else:
-        report = _ok(ns)
+        report = _ok(ns, reads_drafter=reads)
         assert [d.slot for d in report.dirs] == ["target"] and "drafter=" not in report.identity
