@@ -83,8 +83,11 @@ def speculation_method(profile: Profile, choice: bool | str | None) -> str | Non
 def reads_drafter(profile: Profile, choice: bool | str | None) -> bool:
     """Whether the engine reads the profile's drafter directory with SPECULATION ``choice``:
     only its own drafting method does (mtp and off read none)."""
+    return _drafts_with_drafter(profile, speculation_method(profile, choice))
+
+
+def _drafts_with_drafter(profile: Profile, method: str | None) -> bool:
     spec, drafter = profile.speculative, profile.models.drafter
-    method = speculation_method(profile, choice)
     return method is not None and method == spec.method and spec.uses_drafter and drafter is not None
 
 
@@ -125,7 +128,7 @@ def _speculative(profile: Profile, settings: Settings, models_dir: Path) -> Reso
         drafter_tokens=spec.num_speculative_tokens,
         lookup_tokens=lookup_tokens(spec, settings.lookup, settings.verify_block),
         draft_sample_method=spec.draft_sample_method,
-        drafter_dir=str((models_dir / drafter.dir).absolute()) if reads_drafter(profile, settings.speculation) else None,
+        drafter_dir=str((models_dir / drafter.dir).absolute()) if _drafts_with_drafter(profile, method) else None,
         attention_backend=spec.attention_backend,
     )
 

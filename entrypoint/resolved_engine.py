@@ -128,6 +128,11 @@ class ResolvedEngine(_Frozen):
     env: dict[str, str]  # the profile's environment for vLLM
     overridden: tuple[str, ...]  # the KNOBS the user set (for messages: where a value came from)
 
+    @property
+    def reads_drafter(self) -> bool:
+        """Whether the engine reads the profile's drafter directory (mtp and off do not)."""
+        return self.speculative is not None and self.speculative.drafter_dir is not None
+
     def origin(self, field: str) -> str:
         """How a one-line message names where ``field``'s value came from."""
         value = getattr(self, field)

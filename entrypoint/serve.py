@@ -45,8 +45,7 @@ def run_preflight(profile: Profile, settings: Settings, resolved: ResolvedEngine
     except PlanError:
         configs = None  # ...but a model that is not there is verify's to explain
 
-    reads_drafter = resolved.speculative is not None and resolved.speculative.drafter_dir is not None
-    report = verify_profile(profile, settings, reads_drafter=reads_drafter)
+    report = verify_profile(profile, settings, reads_drafter=resolved.reads_drafter)
     say(f"qwen38: verified {profile.name} in {report.elapsed_s:.2f} s: {report.identity}")
     if configs is None:
         configs = read_model_configs(profile, resolved, settings.models_dir)

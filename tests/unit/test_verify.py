@@ -484,8 +484,7 @@ def test_only_a_method_that_drafts_with_the_drafter_needs_its_directory(tiny, sp
     settings = tiny.settings.model_copy(update={"speculation": speculation})
     ns = types.SimpleNamespace(profile=profile, settings=settings)
     reads = reads_drafter(profile, speculation)  # what `qwen38 verify` passes; `serve` reads the resolved engine
-    spec = resolve(profile, settings).speculative
-    assert reads == needs_drafter == (spec is not None and spec.drafter_dir is not None)
+    assert reads == needs_drafter == resolve(profile, settings).reads_drafter
     if needs_drafter:
         assert "never-prepared: missing (drafter of profile test)" in _fail(ns, reads_drafter=reads)
     else:
