@@ -208,16 +208,24 @@ def prefill_tok_s(prompt_tokens: int, ttft_s: float) -> float:
     return prompt_tokens / ttft_s
 
 
-def decode_figures(doc: dict[str, Any], speculative_tokens: int, max_num_seqs: int | None = None) -> dict[str, Any]:
+def decode_figures(doc: dict[str, Any], speculative_tokens: int, max_num_seqs: int | None = None,
+                   project: bool = True) -> dict[str, Any]:
     """The decode step of a c1 / c8 document's most concurrent point: latency, tokens per step,
     and - with speculation - the tok/s the articles' acceptance lengths would give at the same
     step time (a projection: the DFlash2 drafter proposes its K tokens in one pass, so the
     step time hardly depends on how many are accepted; random weights accept nearly none).
-    ``batch``: the sequences one step decodes, at most the server's ``max_num_seqs``."""
+    ``batch``: the sequences one step decodes, at most the server's ``max_num_seqs``; ``project``:
+    False for a method the published acceptance lengths are not of (MTP)."""
     points = doc.get("points") or []
     if not points:
         raise BenchError(f"bench {doc.get('workload')}: the document has no points")
-    point = max(points, key=lambda p: p.get("concurrency", 1))
+    return point_decode_figures(doc, max(points, key=lambda p: p.get("concurrency", 1)), speculative_tokens,
+                                max_num_seqs, project)
+
+
+def point_decode_figures(doc: dict[str, Any], point: dict[str, Any], speculative_tokens: int,
+                         max_num_seqs: int | None = None, project: bool = True) -> dict[str, Any]:
+    """One point's decode step (see `decode_figures`)."""
     decode = point.get("decode_tok_s")
     if not decode:
         raise BenchError(f"bench {doc.get('workload')}: no decode speed at {point.get('label')} (no streamed tokens?)")
@@ -237,12 +245,28 @@ def decode_figures(doc: dict[str, Any], speculative_tokens: int, max_num_seqs: i
         "mean_context_tokens": prompt + output_tokens / 2,
         "speculative_tokens": speculative_tokens,
     }
-    if speculative_tokens:
+    if speculative_tokens and project:
         out["projected_tok_s_per_stream"] = {
             label: {"acceptance_length": a, "tok_s": 1000.0 * a / step_ms} for label, a in ACCEPTANCE.items()
         }
         out["projection"] = True
     return out
+
+
+def users_figures(doc: dict[str, Any], speculative_tokens: int, max_num_seqs: int | None = None,
+                  project: bool = True) -> list[dict[str, Any]]:
+    """A `users` document, a row per concurrency: the decode step (`point_decode_figures`), the
+    aggregate output tok/s, time to first token p50/p90/p99 and the requests vLLM preempted."""
+    rows = []
+    for point in doc.get("points") or []:
+        row = point_decode_figures(doc, point, speculative_tokens, max_num_seqs, project)
+        ttft = (point.get("summary") or {}).get("ttft_s") or {}
+        row["ttft_s"] = {q: ttft.get(q) for q in ("p50", "p90", "p99")}
+        row["preemptions"] = point.get("preemptions", (point.get("summary") or {}).get("preemptions"))
+        rows.append(row)
+    if not rows:
+        raise BenchError(f"bench {doc.get('workload')}: the document has no points")
+    return rows
 
 
 def prefill_figures(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -337,5 +361,16 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         lines += ["", "| served | decode step ms at context (tokens per step) |", "|---|---|"]
         lines += [f"| {name} | " + ", ".join(f"{r['context_tokens']:,}: {r['step_ms']:.1f} ({r['tokens_per_step']:.2f})"
                                              for r in rows) + " |" for name, rows in verify.items()]
+    users = {name: row["users"] for name, row in summary.get("profiles", {}).items() if row.get("users")}
+    if users:
+        lines += ["", "| served | users in flight | output tok/s | per request tok/s p50 | step ms (tokens per step) "
+                  "| TTFT s p50 / p90 / p99 | preempted |", "|---|---|---|---|---|---|---|"]
+        for name, rows in users.items():
+            for r in rows:
+                ttft = " / ".join("-" if r["ttft_s"].get(q) is None else f"{r['ttft_s'][q]:.2f}"
+                                  for q in ("p50", "p90", "p99"))
+                lines.append(f"| {name} | {r['concurrency']} | {r['output_tok_s'] or 0:,.0f} | "
+                             f"{r['decode_tok_s_per_stream_p50']:.1f} | {r['step_ms']:.1f} ({r['tokens_per_step']:.2f}) | "
+                             f"{ttft} | {r['preemptions'] if r['preemptions'] is not None else '-'} |")
     lines.append("")
     return "\n".join(lines)

@@ -17,7 +17,8 @@ What comes next (`next_action`, pure):
 4. otherwise servers are started in `SERVED` order: the first alone (its cold start is timed
    alone, and it fills the shared compile caches: almost all of a cold start is Triton JIT and
    autotuning at the model's shapes, docs/gpu.md), the others as many side by side as the
-   device's memory takes (their budgets added up), unless a ready one waits to be measured;
+   device's memory takes (their budgets added up), `STAGGER_S` apart, unless a ready one
+   waits to be measured;
    where nvidia-smi does not list this machine's process ids (a container), one at a time, so
    that the device's total is the server's own;
 5. otherwise, with servers starting, wait; with nothing left, the report and ``done``.
@@ -46,6 +47,9 @@ MEASURE_S = {"full": 480, "quick": 240, "tiny": 120}
 CONTEXT_BYTES = 1 << 30
 RESERVE_BYTES = 2 << 30
 POLL_S = 10.0
+# Side-by-side starts begin this far apart: on the 2026-12-07 lease, three of four servers
+# started at one instant died importing torch (oneMKL: cannot load libtorch_cpu.so).
+STAGGER_S = 45.0
 Status = Literal["pending", "starting", "ready", "failed", "measured", "stopped", "skipped"]
 
 
@@ -55,6 +59,7 @@ class Server:
     status: Status
     budget: int  # bytes it may take (for packing side by side)
     measure: bool = True  # False: started only to time the start
+    age_s: float | None = None  # seconds since it was started (None: not started)
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,9 @@ def next_action(state: RunState, remaining_s: float, sizes: str = "quick",
             return Action("wait", alive[0].name, "the first cold start runs alone")
         used = sum(s.budget + CONTEXT_BYTES for s in alive)
         total = state.device_total or 0
+        youngest = min((s.age_s for s in starting if s.age_s is not None), default=None)
+        if youngest is not None and youngest < STAGGER_S:
+            return Action("wait", starting[0].name, f"starts are {STAGGER_S:.0f} s apart")
         for candidate in pending:
             if not alive or used + candidate.budget + CONTEXT_BYTES + RESERVE_BYTES <= total:
                 return Action("start", candidate.name)
@@ -128,21 +136,23 @@ def read_state(root: Path, served: dict[str, fs.Served] | None = None, skip_prep
     servers = []
     for name, s in served.items():
         status: Status
+        age = None
         if fs.read_result(root, f"{name}.failed"):
             status = "failed"
         elif fs.read_result(root, f"{name}.stop"):
             status = "stopped"
         elif (fs.read_result(root, f"{name}.measure") or {}).get("done"):
             status = "measured"
-        elif fs.read_result(root, f"{name}.start"):
+        elif started := fs.read_result(root, f"{name}.start"):
             status = fs.poll_ready(root, name)  # type: ignore[assignment]
+            age = time.time() - started["started"]
         else:
             status = "pending"
         if status == "pending" and s.after_failure_of and not _failed_to_fit(root, s.after_failure_of, statuses):
             status = "skipped"
         statuses[name] = status
         budget = s.budget if s.budget is not None else fs.UNCAPPED_BYTES
-        servers.append(Server(name, status, budget, s.measure))
+        servers.append(Server(name, status, budget, s.measure, age))
     warmed = any(fs.read_result(root, f"{name}.ready") for name in fs.SERVED.keys() | served.keys())
     return RunState(prepared, tuple(servers), total, bandwidth.get("pid_attribution"), warmed)
 
@@ -188,10 +198,13 @@ class Log:
 
 def run(root: Path, *, budget_s: float, size: str = "full", sizes: str = "quick", base_port: int = 18030,
         out: Path | None = None, workers: int | None = None, served: dict[str, fs.Served] | None = None,
-        total_bytes: int | None = None, skip_prep: tuple[str, ...] = ()) -> dict[str, Any]:
+        total_bytes: int | None = None, skip_prep: tuple[str, ...] = (),
+        workloads: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Do what comes next until ``budget_s`` is spent or nothing is left; then write the report
-    (to ``out``: a JSON file, or a directory that gets fullscale.json, .md and the logs' tails)."""
+    (to ``out``: a JSON file, or a directory that gets fullscale.json, .md and the logs' tails).
+    ``workloads``: what every copy measures (None: each copy's own choice)."""
     served = served or fs.SERVED
+    fs.check_workloads(workloads)
     deadline = time.monotonic() + budget_s
     log = Log(root)
     ports = {name: base_port + i for i, name in enumerate(served)}
@@ -208,9 +221,9 @@ def run(root: Path, *, budget_s: float, size: str = "full", sizes: str = "quick"
             if action.kind == "prep":
                 _prep(root, action.name, size, workers, total_bytes, served)
             elif action.kind == "start":
-                fs.step_start(root, action.name, ports[action.name])
+                fs.step_start(root, action.name, ports[action.name], served[action.name])
             elif action.kind == "measure":
-                fs.step_measure(root, action.name, sizes)
+                fs.step_measure(root, action.name, sizes, workloads, served[action.name])
             elif action.kind == "stop":
                 fs.step_stop(root, action.name)
             else:

@@ -40,12 +40,12 @@ from core.atomic import atomic_write_text
 from core.checkpoint import open_checkpoint
 from core.errors import BenchError, PatchError, StackError
 from core.manifest import MANIFEST_NAME
-from core.profiles import load_profile
+from core.profiles import Profile, load_profile
 from core.settings import Settings
 from entrypoint.keys import init_key_file
 from entrypoint.lifecycle import process_alive, process_session
 from entrypoint.patches import find_vllm_dir
-from entrypoint.resolve import lookup_tokens
+from entrypoint.resolve import lookup_tokens, speculation_method
 from entrypoint.run_files import status_path
 from prepare.generate import BLOCK_BYTES, draw_block, generate
 from prepare.synthetic import TINY_PRESET, Recipe, StoredTensor, preset, stored_bytes, variant_tensors
@@ -81,8 +81,20 @@ class Served:
     lookup: bool = False  # reproduction mode: the profile's verify block (16) with lookup drafting
     max_model_len: int | None = None  # None: the profile's
     workloads: tuple[str, ...] | None = None  # the measured workloads (None: every one of the size)
+    # `qwen38 serve`'s own settings for this copy, as an owner sets them (e.g. SPECULATION=mtp).
+    settings: tuple[tuple[str, str], ...] = ()
+    # The profile's [env] entries this copy leaves out (e.g. VLLM_MARLIN_INPUT_DTYPE: W4A8 off).
+    drop_env: tuple[str, ...] = ()
+
+    @property
+    def method(self) -> str | None:
+        """The speculation method this copy serves with, by name (None: off; "own": the profile's)."""
+        if not self.speculation:
+            return None
+        return dict(self.settings).get("SPECULATION", "own")
 
 
+MARLIN_AS_ON_THE_3090 = (("VLLM_DISABLED_KERNELS", "MacheteLinearKernel"),)
 VERIFY_DEPTHS = (25_000, 128_000)  # the split-KV verify kernel's contexts (docs/split-kv.md)
 # `long` with the 16-token block: the longest request its pinned pool runs to its end (docs/lookup.md).
 LOOKUP_LONG_CONTEXT = 109_488
@@ -112,11 +124,20 @@ SERVED: dict[str, Served] = {
                                        env=(("QWEN38_SPLIT_KV", "0"),), workloads=("c1", "verify")),
     "long-nospec-full": Served("long", HEADLESS_3090_BYTES, speculation=False),
     "single-warm-full": Served("single", HEADLESS_3090_BYTES, measure=False),
+    # Many users (issue 55): `single` with the target's own MTP head instead of the drafter,
+    # `batch` (64 slots, fp8 KV, W4A8) and `batch` with W4A16 activations as before; with
+    # `--workloads users` beside `single-full` and `single-nospec-full`, the methods at C1/C8/C64.
+    "single-mtp-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),)),
+    # Both on Marlin, as on the 3090: Hopper would serve W4A16 with Machete, which takes no int8
+    # activations (the 2026-12-07 lease measured the switch doing nothing there).
+    "batch-full": Served("batch", HEADLESS_3090_BYTES, env=MARLIN_AS_ON_THE_3090),
+    "batch-w4a16-full": Served("batch", HEADLESS_3090_BYTES, env=MARLIN_AS_ON_THE_3090,
+                               drop_env=("VLLM_MARLIN_INPUT_DTYPE",)),
 }
 # The artifacts the 3090 profiles serve (`single`, `long`): what `generate` writes when no
 # `spark-lora` copy is served.
 RTX3090_VARIANTS = ("qwen3.8-27b-w4a16", "qwen3.8-27b-dflash2-w4a16")
-CAPPED = ("single", "long")  # the profiles whose budget is a headless 3090's
+CAPPED = ("single", "long", "batch")  # the profiles whose budget is a headless 3090's
 
 
 @dataclass(frozen=True)
@@ -153,15 +174,19 @@ MEASURE_SIZES: dict[str, dict[str, Workload]] = {
     "full": {"c1": Workload("c1", ("--requests", "5", "--output-tokens", "2048")),
              "c8": Workload("c8", ("--requests", "32")),
              "prefill": Workload("depth", DEEP, PREFILL_TOKENS, 16),
-             "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 128, clamp=True)},
+             "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 128, clamp=True),
+             "users": Workload("users", ("--concurrency", "1,8,32,64"))},
     "quick": {"c1": Workload("c1", ("--requests", "2", "--output-tokens", "256")),
               "c8": Workload("c8", ("--requests", "16")),
               "prefill": Workload("depth", DEEP, PREFILL_TOKENS, 16),
-              "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 48, clamp=True)},
+              "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 48, clamp=True),
+              "users": Workload("users", ("--concurrency", "1,8,64", "--rounds", "1"))},
     "tiny": {"c1": Workload("c1", ("--requests", "1", "--input-tokens", "64", "--output-tokens", "24")),
              "c8": Workload("c8", ("--requests", "8", "--input-tokens", "64", "--output-tokens", "16")),
              "prefill": Workload("depth", (), (128, 512), 8),
-             "verify": Workload("depth", (), (1024, 40_000), 16)},
+             "verify": Workload("depth", (), (1024, 40_000), 16),
+             "users": Workload("users", ("--concurrency", "1,4", "--rounds", "1", "--system-tokens", "64",
+                                         "--prompt-tokens", "32", "--output-tokens", "16"))},
 }
 
 
@@ -171,7 +196,7 @@ MEASURE_SIZES: dict[str, dict[str, Workload]] = {
 
 def derive_profile(name: str, *, cap_fraction: float | None = None, speculation: bool = True,
                    extra_env: dict[str, str] | None = None, lookup: bool = False,
-                   max_model_len: int | None = None) -> dict[str, Any]:
+                   max_model_len: int | None = None, drop_env: tuple[str, ...] = ()) -> dict[str, Any]:
     """The TOML data of profile ``name`` with every model slot generated (same dir, same transform).
 
     ``cap_fraction``: the fraction of this GPU's memory the served copy may use; it goes to
@@ -206,6 +231,10 @@ def derive_profile(name: str, *, cap_fraction: float | None = None, speculation:
         engine["max_model_len"] = max_model_len
     if extra_env:
         data.setdefault("env", {}).update(extra_env)
+    for name in drop_env:
+        if name not in data.get("env", {}):
+            raise BenchError(f"{name}: profile {real.name} does not set it in [env]; nothing to leave out")
+        del data["env"][name]
     return data
 
 
@@ -215,7 +244,7 @@ def profile_set(total_bytes: int, served: dict[str, Served] | None = None) -> di
     for name, s in (served or SERVED).items():
         cap = cap_fraction_for(total_bytes, s.budget) if s.budget is not None else None
         out[name] = derive_profile(s.base, cap_fraction=cap, speculation=s.speculation, extra_env=dict(s.env),
-                                   lookup=s.lookup, max_model_len=s.max_model_len)
+                                   lookup=s.lookup, max_model_len=s.max_model_len, drop_env=s.drop_env)
     return out
 
 
@@ -622,10 +651,10 @@ def _snapshot_code(root: Path) -> Path:
     return repo
 
 
-def _serve_env(root: Path, api_key_file: Path, code: Path | None = None) -> dict[str, str]:
+def _serve_env(root: Path, api_key_file: Path, code: Path | None = None, copy: Served | None = None) -> dict[str, str]:
     """The environment of `qwen38 serve` and `qwen38 plan` for the served copies: none of the
-    caller's stack settings, the run's directories, and no watchdog canary (its requests would
-    land in the benchmarks' windows and counters)."""
+    caller's stack settings, the run's directories, no watchdog canary (its requests would
+    land in the benchmarks' windows and counters), and the copy's own settings (`Served.settings`)."""
 
     knobs = {name.upper() for name in Settings.model_fields}
     env = {k: v for k, v in os.environ.items() if k.upper() not in knobs}
@@ -634,6 +663,8 @@ def _serve_env(root: Path, api_key_file: Path, code: Path | None = None) -> dict
                VLLM_LOGGING_LEVEL="INFO", PYTHONUNBUFFERED="1")
     if code is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+    if copy is not None:
+        env.update(copy.settings)
     return env
 
 
@@ -681,12 +712,13 @@ def sample_memory(pid: int, out: Path, interval: float = 1.0) -> None:
             time.sleep(interval)
 
 
-def step_start(root: Path, profile: str, port: int) -> dict[str, Any]:
-    """`qwen38 serve` in a session of its own (survives the call), and a memory sampler."""
+def step_start(root: Path, profile: str, port: int, copy: Served | None = None) -> dict[str, Any]:
+    """`qwen38 serve` in a session of its own (survives the call), and a memory sampler.
+    ``copy``: how the copy is served (default: its `SERVED` entry)."""
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     code = _snapshot_code(root)
-    env = _serve_env(root, _key_file(root), code)
+    env = _serve_env(root, _key_file(root), code, copy or SERVED.get(profile))
     env["PORT"] = str(port)
     status_path(root / "cache", profile).unlink(missing_ok=True)
     for stale in ("ready", "failed", "measure", "stop"):
@@ -813,20 +845,47 @@ def _bench_doc(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def step_measure(root: Path, profile: str, sizes: str = "quick") -> dict[str, Any]:
-    """Benchmarks through the served API, then the footprint from the log and the sampler."""
+def drafted_per_step(profile: Profile, settings: dict[str, str]) -> tuple[str | None, int]:
+    """(method, tokens a verify step checks past the first) for ``profile`` served with
+    ``settings``: the chosen method's depth (MTP_DEPTH for mtp), plus lookup's in reproduction
+    mode; (None, 0) without speculation."""
+    spec = profile.speculative
+    method = speculation_method(profile, Settings._speculation_choice(settings.get("SPECULATION")))
+    if method is None or spec is None:
+        return None, 0
+    if method == "mtp":
+        return method, int(settings.get("MTP_DEPTH") or spec.depth("mtp"))
+    return method, spec.num_speculative_tokens + lookup_tokens(spec, None, None)
 
+
+def check_workloads(workloads: tuple[str, ...] | None) -> None:
+    """One line for a measured workload no size has (before a run starts anything)."""
+    unknown = sorted(set(workloads or ()) - set(MEASURE_SIZES["quick"]))
+    if unknown or workloads == ():
+        raise BenchError(f"--workloads {','.join(unknown) or '(empty)'}: expected a comma list of "
+                         f"{', '.join(MEASURE_SIZES['quick'])}")
+
+
+def step_measure(root: Path, profile: str, sizes: str = "quick", workloads: tuple[str, ...] | None = None,
+                 copy: Served | None = None) -> dict[str, Any]:
+    """Benchmarks through the served API, then the footprint from the log and the sampler.
+    ``workloads``: the measured workloads by name (None: the copy's own choice, else every one);
+    ``copy``: how the copy is served (default: its `SERVED` entry)."""
+
+    check_workloads(workloads)
     start = read_result(root, f"{profile}.start")
     if start is None or poll_ready(root, profile) != "ready":
         raise BenchError(f"{profile}: not ready; `qwen38 bench fullscale wait {profile} --root {root}` first")
     base = f"http://127.0.0.1:{start['port']}"
     key = _key_file(root)
     served = load_profile(profile, root / "profiles")
-    spec = served.speculative
-    # Tokens drafted per verify step: the drafter's, plus lookup's in reproduction mode.
-    k = spec.num_speculative_tokens + lookup_tokens(spec, None, None) if spec and spec.enabled else 0
-    result: dict[str, Any] = {"profile": profile, "sizes": sizes, "bench": {}, "decode": {}, "began": time.time()}
-    chosen = SERVED[profile].workloads if profile in SERVED else None
+    copy = copy or SERVED.get(profile)
+    method, k = drafted_per_step(served, dict(copy.settings) if copy else {})
+    # The published acceptance lengths are DFlash2's: no projection for another drafter.
+    project = method in ("dflash", "draft_model")
+    result: dict[str, Any] = {"profile": profile, "sizes": sizes, "bench": {}, "decode": {}, "began": time.time(),
+                              "speculation": method, "speculative_tokens": k}
+    chosen = workloads or (copy.workloads if copy else None)
     for name, workload in MEASURE_SIZES[sizes].items():
         if chosen is not None and name not in chosen:
             continue
@@ -841,14 +900,16 @@ def step_measure(root: Path, profile: str, sizes: str = "quick") -> dict[str, An
                                  "tail": (done.stdout[-1500:] + done.stderr[-1500:])}
         doc = _bench_doc(out) if done.returncode == 0 else None
         if doc and name in ("c1", "c8"):
-            result["decode"][name] = figures.decode_figures(doc, k, served.engine.max_num_seqs)
+            result["decode"][name] = figures.decode_figures(doc, k, served.engine.max_num_seqs, project)
         elif doc and name == "prefill":
             result["prefill"] = figures.prefill_figures(doc)
         elif doc and name == "verify":
             result["verify"] = figures.depth_decode_figures(doc, k)
+        elif doc and name == "users":
+            result["users"] = figures.users_figures(doc, k, served.engine.max_num_seqs, project)
         _write(root, f"{profile}.measure", result)
     planned: dict[str, Any] = {}
-    plan = _cli("plan", "--profile", profile, "--json", env=_serve_env(root, key))
+    plan = _cli("plan", "--profile", profile, "--json", env=_serve_env(root, key, copy=copy))
     if plan.returncode == 0:
         try:
             planned = json.loads(plan.stdout)
@@ -974,7 +1035,7 @@ def summarize(results: dict[str, dict[str, Any]], served: dict[str, Served] | No
             row["peak"] = failed.get("peak")
         if measure:
             for key in ("pool", "peak", "cap_held", "margin_bytes", "budget_bytes", "headless_3090", "footprint",
-                        "decode", "prefill", "verify", "others_alive", "measured_alone",
+                        "decode", "prefill", "verify", "users", "others_alive", "measured_alone",
                         "gpu_neighbours_while_measured", "gpu_neighbours_while_starting"):
                 if key in measure:
                     row[key] = measure[key]
@@ -985,8 +1046,10 @@ def summarize(results: dict[str, dict[str, Any]], served: dict[str, Served] | No
                 except BenchError:
                     shape = None
                 if shape is not None:
-                    row["roofline"] = figures.roofline_rows(shape, bandwidth["bytes_per_s"], measure["decode"],
-                                                            s.speculation)
+                    # The roofline's speculative step is the profile's own drafter's (K=7 DFlash2).
+                    if s.method in (None, "own"):
+                        row["roofline"] = figures.roofline_rows(shape, bandwidth["bytes_per_s"], measure["decode"],
+                                                                s.method == "own")
         summary["profiles"][name] = row
     return summary
 

@@ -11,6 +11,9 @@ Each model slot of the profile says where its directory comes from:
   ``adapter-build`` reads the profile's target (the base model) and the downloaded
   directions file.
 
+A slot the caller names in ``skip_slots`` gets no step: `qwen38 prepare --profile` names the
+downloaded drafter where SPECULATION serves mtp or off, which never read it.
+
 `plan_profile` turns a profile and the lock into these steps (pure); `prepare_profile`
 first refuses anything it cannot do - an artifact the lock does not pin (the lock's own
 one-line message), a transform this build lacks - before fetching a byte, then runs each
@@ -76,8 +79,12 @@ def input_dir(profile: Profile, models_dir: Path, artifact: str) -> Path:
     return models_dir / default_dir(artifact)
 
 
-def plan_profile(profile: Profile, models_dir: Path) -> list[Step]:
-    """Every step the profile's directories need, downloads before the transforms that read them."""
+def plan_profile(profile: Profile, models_dir: Path, skip_slots: frozenset[str] = frozenset()) -> list[Step]:
+    """Every step the profile's directories need, downloads before the transforms that read them.
+
+    A slot named in ``skip_slots`` (the drafter the chosen SPECULATION never reads) gets no step
+    of its own; a transform of another slot still downloads its input where it always lands
+    (`input_dir`), even when that is the skipped slot's directory."""
     downloads: list[Step] = []
     derived: list[Step] = []
     tiny: list[Step] = []
@@ -88,6 +95,8 @@ def plan_profile(profile: Profile, models_dir: Path) -> list[Step]:
 
     slots = dict(_slots(profile))
     for name, slot in slots.items():
+        if name in skip_slots:
+            continue
         directory = models_dir / slot.dir
         if slot.generated is not None and slot.transform is not None:
             raise PrepareError(
@@ -262,16 +271,19 @@ def prepare_profile(
     lock_path: Path | str = LOCK_PATH,
     hub: HubAccess = HubAccess(),
     recheck: bool = False,
+    skip_slots: frozenset[str] = frozenset(),
     say: Callable[[str], None] = progress.say,
 ) -> list[Step]:
     """Run every step the profile still needs; returns what was done (empty: nothing was needed).
+
+    ``skip_slots``: slots the engine will not read, which get no step (`plan_profile`).
 
     ``recheck`` hashes the downloaded and derived directories already in place and fetches
     or rebuilds those whose bytes differ from their manifest (the repair `qwen38 verify`
     names); without it, a directory is trusted when its manifest and file sizes are right.
     """
     models_dir = Path(models_dir)
-    steps = plan_profile(profile, models_dir)
+    steps = plan_profile(profile, models_dir, skip_slots)
     lock: ArtifactLock | None = None
     if any(step.artifact is not None for step in steps):
         lock = effective_lock(load_lock(lock_path), models_dir)

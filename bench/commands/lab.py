@@ -23,6 +23,10 @@ STEPS = ("run", "rates", "patches", "bandwidth", "prebuild", "generate", "requan
          "wait", "measure", "stop", "report", "sample")
 
 
+def _workloads(args: argparse.Namespace) -> tuple[str, ...] | None:
+    return tuple(w.strip() for w in args.workloads.split(",") if w.strip()) if args.workloads else None
+
+
 def _cmd_fullscale(args: argparse.Namespace) -> int:
     root = Path(args.root)
     step = args.step
@@ -39,7 +43,8 @@ def _cmd_fullscale(args: argparse.Namespace) -> int:
                   "projection": projections}
     elif step == "run":
         result = run(root, budget_s=args.budget, size=args.size, sizes=args.sizes, base_port=args.port,
-                     out=Path(args.out) if args.out else None, workers=args.workers, served=served_subset(args.served))
+                     out=Path(args.out) if args.out else None, workers=args.workers, served=served_subset(args.served),
+                     workloads=_workloads(args))
     elif step == "patches":
         result = steps.step_patches(root)
     elif step == "bandwidth":
@@ -65,7 +70,7 @@ def _cmd_fullscale(args: argparse.Namespace) -> int:
         elif step == "wait":
             result = steps.step_wait(root, args.profile, args.timeout)
         elif step == "measure":
-            result = steps.step_measure(root, args.profile, args.sizes)
+            result = steps.step_measure(root, args.profile, args.sizes, _workloads(args))
         elif step == "sample":
             steps.sample_memory(args.pid, root / "logs" / f"{args.profile}.smi")
             return 0
@@ -109,6 +114,9 @@ def register_fullscale(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--served", default=None,
                         help="run, generate: a comma list of the served copies to run / generate for "
                         f"(default all, in order: {', '.join(steps.SERVED)})")
+    parser.add_argument("--workloads", default=None,
+                        help="measure / run: a comma list of the workloads every copy measures "
+                        f"(default each copy's own; of {', '.join(steps.MEASURE_SIZES['quick'])})")
     parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="report / run: the JSON to write (docs/gpu/DATE-GPU-fullscale.json)")
     parser.add_argument("--cores", type=int, default=16, help="rates: cores of the machine projected to (default 16)")

@@ -2,9 +2,11 @@
 
 Each step's CLI module (`STEPS`) registers its subcommand with ``register(subparsers)``;
 ``qwen38 prepare --profile P`` (no step named) runs every step the profile still needs
-(`prepare.pipeline`). Every one of these commands records what it hashes and leaves it in
-verify's stat cache under CACHE_DIR when it ends (`prepare.stat_cache_proofs`): the first
-`qwen38 serve` then verifies those files without reading them again.
+(`prepare.pipeline`), but the drafter's where SPECULATION chooses a method that never reads
+it (mtp, off: `entrypoint.resolve.reads_drafter`, verify's own test). Every one of these
+commands records what it hashes and leaves it in verify's stat cache under CACHE_DIR when it
+ends (`prepare.stat_cache_proofs`): the first `qwen38 serve` then verifies those files
+without reading them again.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ def _cmd_prepare_profile(args: argparse.Namespace) -> int:
 
     settings = load_settings(profile=args.profile)
     profile = profiles.load_profile(settings.profile, settings.profiles_dir)
+    skipped = _unread_drafter(profile, settings.speculation)
+    if skipped is not None:
+        say(f"qwen38: prepare: drafter skipped: {skipped}")
     hub = HubAccess(
         endpoint=args.profile_endpoint,
         seed_dir=Path(args.profile_seed) if args.profile_seed else settings.models_seed_dir,
@@ -73,12 +78,47 @@ def _cmd_prepare_profile(args: argparse.Namespace) -> int:
         lock_path=args.profile_lock or LOCK_PATH,
         hub=hub,
         recheck=args.profile_recheck,
+        skip_slots=frozenset({"drafter"}) if skipped is not None else frozenset(),
     )
     if not done:
         say(f"profile {profile.name}: every model directory is prepared")
     for step in done:
         say(f"prepared {step.describe()}")
     return 0
+
+
+def _unread_drafter(profile, choice: bool | str | None) -> str | None:
+    """Why the engine will not read ``profile``'s drafter with SPECULATION ``choice``, and what
+    would prepare it; None: prepare it (the engine reads it, or there is none to download).
+
+    A generated (tiny) drafter is never skipped: one generator run writes every tiny model."""
+    from core.settings import SPECULATION_METHODS  # (pydantic-settings: not at the parser's start)
+    from entrypoint.resolve import reads_drafter, speculation_method  # (what SPECULATION reads)
+
+    drafter = profile.models.drafter
+    if drafter is None or drafter.generated is not None or reads_drafter(profile, choice):
+        return None
+    method = speculation_method(profile, choice)
+    if choice is None:
+        said = f"profile {profile.name} by default"  # its own speculative section decides
+    else:
+        said = "SPECULATION=" + ("true" if choice is True else "off" if choice is False else str(choice))
+    if method == "mtp":
+        why = f"{said} serves the target's own MTP head"
+    elif method is not None:
+        why = f"{said} drafts with {method}, which does not read it"
+    else:
+        why = f"{said} serves without speculative decoding"
+    # Only the settings that do read it, tried against the same decision.
+    ways = []
+    own = profile.speculative.method if profile.speculative is not None else None
+    if own in SPECULATION_METHODS and reads_drafter(profile, own):
+        ways.append(f"set SPECULATION={own}")
+    elif reads_drafter(profile, True):
+        ways.append("set SPECULATION=true")
+    if choice is not None and reads_drafter(profile, None):
+        ways.append("unset SPECULATION")
+    return f"{why}; {' or '.join(ways)} to prepare it" if ways else why
 
 
 def _leaving_proofs(command):

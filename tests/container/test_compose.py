@@ -90,6 +90,15 @@ def test_server_waits_for_its_preparation_and_mounts_models_read_only(configs, p
     assert set(configs[profile]["volumes"]) == {"models", "cache", "seed"}
 
 
+@pytest.mark.parametrize("profile", ["single", "long", "cpu"])
+def test_preparation_reads_the_servers_speculation_to_skip_a_drafter_it_never_reads(profile):
+    for values in ({}, {"SPECULATION": "mtp"}):
+        services = compose_config(profile, env=values)["services"]
+        prepare, server = services[f"prepare-{profile}"], services[profile]
+        assert prepare["environment"]["SPECULATION"] == server["environment"]["SPECULATION"]
+        assert prepare["environment"]["SPECULATION"] == values.get("SPECULATION", "")
+
+
 @pytest.mark.parametrize("profile", ["single", "spark-lora", "cpu"])
 def test_preparation_reaches_the_hub_with_the_owners_settings_and_a_token_only_as_a_secret(profile, tmp_path):
     token = tmp_path / "hf_token"

@@ -18,6 +18,7 @@ import pytest
 
 from bench import fullscale_steps as fs
 from bench.fullscale_run import run
+from core.profiles import load_profile
 from tests.conftest import free_port
 
 pytestmark = [
@@ -75,3 +76,27 @@ def test_a_call_that_ends_early_is_resumed_by_the_next_and_the_report_holds_ever
     assert "| cpu-full |" in (out / "fullscale.md").read_text()
     with tarfile.open(out / "logs.tar.xz") as tar:
         assert "logs/cpu-full.log" in tar.getnames()
+
+
+def test_a_copy_served_with_mtp_measures_users_at_each_concurrency_with_its_depth(tmp_path):
+    """The many-users rehearsal (issue 55's lease): the copy is served as an owner serves it,
+    SPECULATION=mtp in `qwen38 serve`'s environment (no drafter read), and `--workloads users`
+    measures every concurrency with the MTP depth as its drafted tokens per step."""
+    root, out = tmp_path / "run", tmp_path / "out"
+    # The CPU build cannot copy a hybrid target's speculative state for prefix caching (Triton).
+    served = {"cpu-mtp-full": fs.Served("cpu", None, settings=(("SPECULATION", "mtp"), ("PREFIX_CACHING", "false")))}
+    result = run(root, budget_s=900, size="tiny", sizes="tiny", served=served, total_bytes=24 << 30,
+                 skip_prep=NOT_ON_CPU, base_port=free_port(), out=out, workloads=("users",))
+    failed = fs.read_result(root, "cpu-mtp-full.failed")
+    assert result["done"] is True and failed is None, json.dumps(failed, indent=1)[-3000:]
+    measure = fs.read_result(root, "cpu-mtp-full.measure")
+    assert list(measure["bench"]) == ["users"] and measure["bench"]["users"]["exit"] == 0
+    rows = measure["users"]
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    depth = load_profile("cpu").speculative.depth("mtp")
+    for row in rows:
+        assert row["speculative_tokens"] == depth and row["tokens_per_step"] >= 1.0 and row["step_ms"] > 0
+        assert row["preemptions"] == 0 and row["ttft_s"]["p50"] > 0
+    log = (root / "logs" / "cpu-mtp-full.log").read_text(errors="replace")
+    assert "Qwen3_5MTP" in log or '"method": "mtp"' in log or "'method': 'mtp'" in log, log[-3000:]
+    assert "| cpu-mtp-full | 4 |" in (out / "fullscale.md").read_text()

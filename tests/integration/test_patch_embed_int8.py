@@ -8,8 +8,10 @@ the stock one in another."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -75,6 +77,16 @@ def tiny(tmp_path_factory):
     return int8_embed_pair(tmp_path_factory.mktemp("tiny-hybrid"))
 
 
+def with_mtp_ignored(model: Path, out: Path) -> Path:
+    """A copy of ``model`` whose quantization config ignores the MTP module's own layers, as a
+    W4A16 checkpoint's does (``re:.*mtp.*``): the prepared `single` target with SPECULATION=mtp."""
+    shutil.copytree(model, out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["ignore"] = [*config["quantization_config"].get("ignore", []), "re:.*mtp.*"]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def in_view(vllm_views, view: str, runs: list[tuple[str, str, bool]], tmp_path) -> subprocess.CompletedProcess:
     """``RUN`` on ``runs`` ([name, model dir, mtp] each) in a child whose vLLM is ``view``."""
     script = tmp_path / "run_tiny.py"
@@ -95,6 +107,7 @@ def answers(vllm_views, tiny, tmp_path_factory) -> dict[str, dict]:
     (tmp_path / "run_tiny.py").write_text(RUN)
     patched = [(f"{kind}{suffix}", str(tiny[kind]), mtp)
                for suffix, mtp in (("", False), ("-mtp", True)) for kind in ("int8", "dequantized")]
+    patched.append(("int8-mtp-ignored", str(with_mtp_ignored(tiny["int8"], tmp_path / "int8-mtp-ignored")), True))
     views = {"patched": patched, "stock": [("stock", str(tiny["int8"]), False)]}
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = dict(zip(views, pool.map(lambda view: in_view(vllm_views, view, views[view], tmp_path), views)))
@@ -127,6 +140,18 @@ def test_mtp_module_loads_int8_embed_tokens_and_drafts(answers):
     assert quantized["embed_method"] == "CompressedTensorsEmbeddingWNA16Int"
     assert quantized["drafts"] > 0
     assert quantized["tokens"] == reference["tokens"]
+
+
+def test_the_mtp_module_loads_the_int8_table_even_where_its_own_layers_are_ignored(answers):
+    """A W4A16 checkpoint leaves the MTP's layers unquantized with an ``ignore`` entry
+    (re:.*mtp.*); the MTP module's embedding is the target's int8 table all the same, looked up
+    under the target's name. Before this, the full-scale `single` with SPECULATION=mtp died at
+    load on the lent H200 (2026-12-07): no parameter embed_tokens.weight_packed in
+    Qwen3_5MultiTokenPredictor."""
+    ignored, reference = answered(answers, "int8-mtp-ignored"), answered(answers, "dequantized-mtp")
+    assert ignored["embed_method"] == "CompressedTensorsEmbeddingWNA16Int"
+    assert ignored["drafts"] > 0
+    assert ignored["tokens"] == reference["tokens"]
 
 
 def test_stock_vllm_cannot_load_int8_embed_tokens(answers):

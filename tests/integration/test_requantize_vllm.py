@@ -64,10 +64,12 @@ def _probe_result(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(line[len("PROBE ") :])
 
 
-def run_probe(model: Path, *flags: str, expect_ok: bool = True) -> dict | subprocess.CompletedProcess:
-    """One engine on ``model`` in a child (the GPU tier's form: one model per process)."""
-    proc = subprocess.run(_probe_command(str(model), *flags), capture_output=True, text=True, env=_probe_env(),
-                          timeout=600)
+def run_probe(model: Path, *flags: str, expect_ok: bool = True, env: dict[str, str] | None = None
+              ) -> dict | subprocess.CompletedProcess:
+    """One engine on ``model`` in a child (the GPU tier's form: one model per process);
+    ``env``: more of the child's environment (e.g. a vLLM switch)."""
+    proc = subprocess.run(_probe_command(str(model), *flags), capture_output=True, text=True,
+                          env={**_probe_env(), **(env or {})}, timeout=600)
     return _probe_result(proc) if expect_ok else proc
 
 

@@ -396,3 +396,64 @@ def test_the_generate_step_alone_writes_what_its_served_copies_need(tmp_path, ca
     written = fs.read_result(root, "generate")
     assert written["only"] == list(fs.RTX3090_VARIANTS) and written["done"] is True
     assert not (root / "models" / "artifacts" / "qwen3.8-27b-nvfp4").exists()
+
+
+# ---- many users (issue 55): the method as an owner chooses it, C1 / C8 / C64 -----------------
+
+
+def test_the_many_users_copies_differ_from_their_profile_only_where_they_say():
+    profiles = fs.profile_set(150_000_000_000)
+    # MTP is a setting of `qwen38 serve` (SPECULATION=mtp), not a different profile.
+    assert profiles["single-mtp-full"] == profiles["single-full"]
+    assert dict(fs.SERVED["single-mtp-full"].settings) == {"SPECULATION": "mtp"}
+    batch, w4a16 = profiles["batch-full"], profiles["batch-w4a16-full"]
+    assert batch["env"].pop("VLLM_MARLIN_INPUT_DTYPE") == "int8" and batch == w4a16
+    assert batch["engine"]["max_num_seqs"] == 64 and "batch" in fs.CAPPED
+    with pytest.raises(BenchError, match="does not set it in \\[env\\]"):
+        fs.derive_profile("single", drop_env=("VLLM_MARLIN_INPUT_DTYPE",))
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({}, ("dflash", 7)), ({"SPECULATION": "mtp"}, ("mtp", 4)), ({"SPECULATION": "mtp", "MTP_DEPTH": "2"}, ("mtp", 2)),
+    ({"SPECULATION": "false"}, (None, 0)), ({"SPECULATION": "true"}, ("dflash", 7)),
+])
+def test_a_copy_drafts_what_its_settings_choose(settings, expected):
+    assert fs.drafted_per_step(load_profile("single"), settings) == expected
+    assert fs.drafted_per_step(load_profile("batch"), {}) == (None, 0)
+
+
+def test_the_served_copys_settings_reach_serve_and_plan_and_nothing_else_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULATION", "false")  # the caller's own stack setting is not the copy's
+    key = tmp_path / "key"
+    key.write_text("k")
+    env = fs._serve_env(tmp_path, key, copy=fs.SERVED["single-mtp-full"])
+    assert env["SPECULATION"] == "mtp" and env["PROFILES_DIR"] == str(tmp_path / "profiles")
+    assert "SPECULATION" not in fs._serve_env(tmp_path, key, copy=fs.SERVED["single-full"])
+
+
+def test_a_users_document_gives_a_row_per_concurrency_without_a_dflash_projection_for_mtp():
+    doc = _doc("cpu-mtp-users.json")  # `cpu` with SPECULATION=mtp, `bench fullscale run --sizes tiny --workloads users`
+    rows = figures.users_figures(doc, speculative_tokens=4, max_num_seqs=4, project=False)
+    assert [r["concurrency"] for r in rows] == [p["concurrency"] for p in doc["points"]] == [1, 4]
+    for row, point in zip(rows, doc["points"]):
+        tau = point["acceptance_length"] or 1.0
+        assert row["step_ms"] == pytest.approx(1000 * tau / point["decode_tok_s"])
+        assert row["ttft_s"]["p90"] == point["summary"]["ttft_s"]["p90"] and row["preemptions"] == point["preemptions"]
+        assert "projected_tok_s_per_stream" not in row
+    projected = figures.users_figures(doc, speculative_tokens=7, project=True)
+    assert all(r["projection"] for r in projected)
+    text = figures.summary_markdown({"profiles": {"single-mtp-full": {"users": rows}}})
+    assert "| single-mtp-full | 4 |" in text and "| preempted |" in text
+
+
+def test_a_workload_no_size_has_is_refused_before_anything_runs(tmp_path):
+    from bench.fullscale_run import run
+
+    for call in (lambda w: fs.step_measure(tmp_path, "single-full", "quick", w),
+                 lambda w: run(tmp_path, budget_s=10, workloads=w)):
+        with pytest.raises(BenchError, match="--workloads c64: expected a comma list of c1, c8, prefill, verify, users"):
+            call(("users", "c64"))
+    assert not (tmp_path / fs.RESULTS).exists()  # nothing was prepared, started or written
+    with pytest.raises(BenchError, match="not ready"):
+        fs.step_measure(tmp_path, "single-full", "quick", ("users",))
+    assert set(fs.MEASURE_SIZES["quick"]) == set(fs.MEASURE_SIZES["full"]) == set(fs.MEASURE_SIZES["tiny"])

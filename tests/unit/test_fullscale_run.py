@@ -43,6 +43,17 @@ def test_servers_start_side_by_side_while_their_budgets_fit_the_device():
     assert next_action(state(*three_up), 540) == Action("wait", "single-full")
 
 
+def test_side_by_side_starts_are_staggered():
+    """Four servers started at one instant on the 2026-12-07 lease: three died importing torch."""
+    from bench.fullscale_run import STAGGER_S
+
+    young = Server("single-full", "starting", CAP, True, STAGGER_S - 1)
+    got = next_action(state(young, server("long-full", "pending")), 540)
+    assert got == Action("wait", "single-full", f"starts are {STAGGER_S:.0f} s apart")
+    older = Server("single-full", "starting", CAP, True, STAGGER_S + 1)
+    assert next_action(state(older, server("long-full", "pending")), 540) == Action("start", "long-full")
+
+
 def test_a_ready_server_is_measured_only_while_nothing_else_is_starting():
     one_ready = [server("single-full", "ready"), server("long-full", "starting")]
     assert next_action(state(*one_ready), 540).kind == "wait"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import shutil
 import types
 from pathlib import Path
 
@@ -137,6 +138,29 @@ def test_plan_downloads_the_transform_input_then_requantizes_it(tmp_path):
         f"target: requantize-int8 -> {tmp_path / PREPARED}",
     ]
     assert steps[-1].inputs == (tmp_path / TARGET,)
+
+
+def test_plan_without_the_drafter_has_no_step_of_it_but_the_targets(tmp_path):
+    steps = plan_profile(load_profile("single"), tmp_path, skip_slots=frozenset({"drafter"}))
+    assert [s.describe() for s in steps] == [
+        f"target input: download {TARGET} -> {tmp_path / TARGET}",
+        f"target: requantize-int8 -> {tmp_path / PREPARED}",
+    ]
+
+
+def test_a_skipped_slot_still_lands_the_download_another_slots_transform_reads(tmp_path):
+    """The drafter is skipped, but a target requantized from the drafter's artifact still
+    downloads it, where it always lands: the skipped slot's directory."""
+    profile = load_profile("single")
+    models = profile.models.model_copy(
+        update={"target": profile.models.target.model_copy(update={"artifact": DRAFTER})}
+    )
+    steps = plan_profile(profile.model_copy(update={"models": models}), tmp_path, skip_slots=frozenset({"drafter"}))
+    assert [s.describe() for s in steps] == [
+        f"target input: download {DRAFTER} -> {tmp_path / 'artifacts' / DRAFTER}",
+        f"target: requantize-int8 -> {tmp_path / PREPARED}",
+    ]
+    assert steps[-1].inputs == (tmp_path / "artifacts" / DRAFTER,)
 
 
 def test_prepare_single_makes_what_verify_accepts_and_a_second_run_does_nothing(stack, no_racy_window, stock_vllm):
@@ -305,3 +329,54 @@ def test_prepare_cpu_generates_the_tiny_models_once_without_reading_the_lock(tmp
     before = _stamps(settings.models_dir)
     assert prepare_profile(profile, settings.models_dir, lock_path=absent_lock, say=lambda _: None) == []
     assert _stamps(settings.models_dir) == before
+
+
+DRAFTER_DIR = f"artifacts/{DRAFTER}"
+MTP_SKIP = (
+    "qwen38: prepare: drafter skipped: SPECULATION=mtp serves the target's own MTP head; "
+    "set SPECULATION=dflash or unset SPECULATION to prepare it"
+)
+
+
+def _cli_env(stack, monkeypatch) -> list[str]:
+    monkeypatch.chdir(stack.models.parent)  # no .env of the checkout
+    monkeypatch.setenv("MODELS_DIR", str(stack.models))
+    monkeypatch.setenv("CACHE_DIR", str(stack.settings.cache_dir))
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    return ["prepare", "--profile", "single", "--endpoint", stack.hub.hub_url, "--lock", str(stack.lock_path)]
+
+
+def test_cli_prepare_with_mtp_skips_the_drafter_and_its_hint_prepares_it(stack, monkeypatch, capsys, no_racy_window):
+    args = _cli_env(stack, monkeypatch)
+    monkeypatch.setenv("SPECULATION", "mtp")
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == MTP_SKIP
+    assert f"prepared target: requantize-int8 -> {stack.models / PREPARED}" in lines
+    assert not any("drafter" in line or DRAFTER in line for line in lines[1:])
+    assert not (stack.models / DRAFTER_DIR).exists()
+    assert not any(DRAFTER_REPO in path for _, path, _ in stack.hub.requests)  # not even its listing
+    # Each way the line names prepares it: SPECULATION=dflash, then (with it gone again) unset.
+    for hint in ({"SPECULATION": "dflash"}, {}):
+        shutil.rmtree(stack.models / DRAFTER_DIR, ignore_errors=True)
+        monkeypatch.delenv("SPECULATION")
+        for name, value in hint.items():
+            monkeypatch.setenv(name, value)
+        assert main(args) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert f"prepared drafter: download {DRAFTER} -> {stack.models / DRAFTER_DIR}" in lines
+        assert not any("skipped" in line or "prepared target" in line for line in lines)
+        assert read_manifest(stack.models / DRAFTER_DIR) == stack.lock.get(DRAFTER).expected_manifest()
+        monkeypatch.setenv("SPECULATION", "mtp")
+
+
+def test_cli_prepare_with_speculation_off_skips_the_drafter_too(stack, monkeypatch, capsys, no_racy_window):
+    args = _cli_env(stack, monkeypatch)
+    monkeypatch.setenv("SPECULATION", "off")
+    assert main(args) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "qwen38: prepare: drafter skipped: SPECULATION=off serves without speculative decoding; "
+        "set SPECULATION=dflash or unset SPECULATION to prepare it"
+    )
+    assert not (stack.models / DRAFTER_DIR).exists()
+    assert (stack.models / PREPARED / MANIFEST_NAME).is_file()
