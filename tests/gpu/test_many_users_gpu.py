@@ -17,24 +17,19 @@ here; the W4A8 kernels are proven on a W4A16 tiny target in `test_w4a8_marlin_an
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
-from entrypoint.client import StackClient
-from tests.conftest import launch_server, run_cli, spec_decode_delta, stop_server, wait_ready
+from tests.conftest import spec_decode_delta
 from tests.gpu.conftest import record
-from tests.gpu.tiny_profiles import TINY, derive, write_profiles
-from tests.support.chain_copy import greedy_ids
+from tests.gpu.test_profiles_gpu import PROMPTS, _cli, _greedy
+from tests.gpu.tiny_profiles import TINY, TinyServers, derive
 from tests.support.kv_pool import pools
 
 pytestmark = pytest.mark.gpu
 
-READY_TIMEOUT_S = 900
 # Four tiny engines side by side: a tenth of an H100 each (the pool is pinned in bytes).
 SHARE = {"gpu_memory_utilization": 0.1}
-PROMPTS = ["x", "The cache server keeps", "def verify(path):", "Tell me about the draft model and the queue."]
 MTP = {"SPECULATION": "mtp"}
 # key -> (profile file, the real profile it copies, its slots, qwen38 serve's settings)
 SERVED = {
@@ -45,57 +40,20 @@ SERVED = {
 }
 
 
-class Servers:
-    def __init__(self, factory, models, key_file):
-        self.factory, self.models, self.key_file = factory, models, key_file
-        data = {}
-        for name, real, slots, _ in SERVED.values():
-            data[name] = derive(real, slots, extra_engine=SHARE)
-        self.profiles_dir = write_profiles(factory.mktemp("profiles"), data)
-        given = os.environ.get("QWEN38_GPU_CACHE_DIR")
-        self.cache_dir = Path(given) if given else factory.mktemp("cache")
-        self.running = {}
-
-    def launch(self, key: str):
-        name, _, _, settings = SERVED[key]
-        self.running[key] = launch_server(
-            self.factory.mktemp(key), self.models, self.key_file, name, cache_dir=self.cache_dir,
-            PROFILES_DIR=str(self.profiles_dir), READY_TIMEOUT=str(READY_TIMEOUT_S), **settings,
-        )
-
-    def gated(self, key: str):
-        server = self.running[key]
-        if server.seconds_to_ready == 0.0:
-            wait_ready(server, timeout=READY_TIMEOUT_S)
-            record(f"many-users.{key}.ready_s", round(server.seconds_to_ready, 1))
-            print(f"{key}: gated in {server.seconds_to_ready:.0f} s", flush=True)
-        return server
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, tiny_root, api_key_file):
     """The lossless reference first, alone (it fills the shared JIT caches), then the rest side by side."""
-    s = Servers(tmp_path_factory, tiny_root, api_key_file)
+    profiles = {name: derive(real, slots, extra_engine=SHARE) for name, real, slots, _ in SERVED.values()}
+    s = TinyServers(tmp_path_factory, tiny_root, api_key_file, profiles,
+                    {key: (name, settings) for key, (name, _, _, settings) in SERVED.items()}, label="many-users.")
     try:
         s.launch("single-nospec")
-        s.gated("single-nospec")
+        s.gate("single-nospec")
         for key in ("single-mtp", "long-mtp", "batch"):
             s.launch(key)
         yield s
     finally:
-        stop_server(*s.running.values())
-
-
-def _greedy(server) -> list[list[int]]:
-    with StackClient(server.base_url, server.api_key) as client:
-        return [greedy_ids(client, p, 48) for p in PROMPTS]
-
-
-def _cli(server, *args: str, timeout: float = 900):
-    done = run_cli(*args, "--base-url", server.base_url, "--api-key", server.api_key, env=server.env, timeout=timeout)
-    print(done.stdout[-3000:])
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return done
+        s.stop_all()
 
 
 @pytest.mark.parametrize("key", ["single-mtp", "long-mtp"])

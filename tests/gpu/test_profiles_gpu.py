@@ -21,16 +21,14 @@ seconds, counters and figures go into the tier report (tests/gpu/conftest.py).
 from __future__ import annotations
 
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from entrypoint.client import StackClient
-from tests.conftest import launch_server, run_cli, spec_decode_delta, stop_server, wait_ready
+from tests.conftest import run_cli, spec_decode_delta, stop_server
 from tests.gpu.conftest import record
-from tests.gpu.tiny_profiles import SHARE, TINY, derive, write_profiles
+from tests.gpu.tiny_profiles import SHARE, TINY, TinyServers, derive, write_profiles
 from tests.support.chain_copy import greedy_ids
 from tests.support.kv_pool import pools, serve_until_pool_logged
 from tests.support.prefix_cache import kv_block_tokens, sendings, token_prompt
@@ -51,52 +49,24 @@ KEYS = {"single": "single-tiny", "single-nospec": "single-nospec-tiny", "long": 
         "spark-lora": "spark-lora-tiny"}
 
 
-def tier_profiles(directory: Path) -> Path:
+def tier_profiles() -> dict[str, dict]:
     data = {}
     for name, (real, slots, engine) in TIER.items():
         data[name] = derive(real, slots, extra_engine={**SHARE, **engine})
     # `single` with speculation off: the lossless reference, its own profile (own status file).
     data["single-nospec-tiny"]["speculative"]["enabled"] = False
-    return write_profiles(directory, data)
-
-
-class Tier:
-    """The tier's servers, their shared cache and how to start one again."""
-
-    def __init__(self, tmp_path_factory, tiny_root, api_key_file):
-        self.factory, self.models, self.key_file = tmp_path_factory, tiny_root, api_key_file
-        self.profiles_dir = tier_profiles(tmp_path_factory.mktemp("profiles"))
-        given = os.environ.get("QWEN38_GPU_CACHE_DIR")
-        self.cache_dir = Path(given) if given else tmp_path_factory.mktemp("cache")
-        self.servers = {}
-
-    def launch(self, key: str, start: str = "cold"):
-        tmp = self.factory.mktemp(f"{key}-{start}")
-        server = launch_server(
-            tmp, self.models, self.key_file, KEYS[key], cache_dir=self.cache_dir,
-            PROFILES_DIR=str(self.profiles_dir), READY_TIMEOUT=str(READY_TIMEOUT_S),
-        )
-        self.servers[key] = server
-        return server
-
-    def gate(self, key: str, start: str = "cold"):
-        server = wait_ready(self.servers[key], timeout=READY_TIMEOUT_S)
-        record(f"{key}.ready_s.{start}", round(server.seconds_to_ready, 1))
-        print(f"{key}: {start} start gated in {server.seconds_to_ready:.0f} s", flush=True)
-        return server
-
-    def stop_all(self):
-        stop_server(*self.servers.values())
+    return data
 
 
 # The tier made in this session, if any: the eager pool checks stop its servers first, and
 # run without it when selected alone (`-k test_plan_equals_the_cuda_engine_with`).
-STARTED: list[Tier] = []
+STARTED: list[TinyServers] = []
 
 
 @pytest.fixture(scope="session")
 def tier(tmp_path_factory, tiny_root, api_key_file):
-    tier = Tier(tmp_path_factory, tiny_root, api_key_file)
+    tier = TinyServers(tmp_path_factory, tiny_root, api_key_file, tier_profiles(),
+                       {key: (name, {}) for key, name in KEYS.items()})
     STARTED.append(tier)
     try:
         tier.launch("single")
@@ -110,10 +80,7 @@ def tier(tmp_path_factory, tiny_root, api_key_file):
 
 @pytest.fixture
 def server(tier, request):
-    key = request.param
-    if tier.servers[key].seconds_to_ready == 0.0:
-        tier.gate(key)
-    return tier.servers[key]
+    return tier.gated(request.param)
 
 
 def _cli(server, *args: str, timeout: float = 600):
@@ -191,8 +158,7 @@ def test_speculation_is_lossless_on_the_gpu(tier):
     """The DFlash2 drafter (K=7) verified on CUDA gives the target's own greedy tokens, and
     so does every profile's engine (KV dtype, CUDA graphs) for the tiny base's wide margins."""
     for key in KEYS:
-        if tier.servers[key].seconds_to_ready == 0.0:
-            tier.gate(key)
+        tier.gated(key)
     plain = _greedy(tier.servers["single-nospec"])
     assert _greedy(tier.servers["single"]) == plain  # the same engine but for the drafter: exact
     for name in ("long", "spark-lora"):
@@ -206,9 +172,7 @@ def test_speculation_is_lossless_on_the_gpu(tier):
 @pytest.mark.parametrize("key", [*PROFILES, "single-nospec"])
 def test_plan_equals_the_pool_the_cuda_engine_logs(tier, key):
     """What `qwen38 serve` planned before it started vLLM is the pool the engine then built."""
-    if tier.servers[key].seconds_to_ready == 0.0:
-        tier.gate(key)
-    found = pools(tier.servers[key].log.read_text(errors="replace"))
+    found = pools(tier.gated(key).log.read_text(errors="replace"))
     record(f"{key}.pool_tokens", {"planned": found.planned_tokens, "engine": found.engine_tokens})
     assert (found.planned_tokens, found.planned_concurrency) == (found.engine_tokens, found.engine_concurrency)
 

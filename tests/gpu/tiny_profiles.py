@@ -6,12 +6,15 @@ the same `qwen38 serve` path (PROFILES_DIR points at them)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
 from core.profiles import load_profile
+from tests.conftest import launch_server, stop_server, wait_ready
+from tests.gpu.conftest import record
 
 TINY_MAX_MODEL_LEN = 8192
 # The GPU profiles' slots as `qwen38 tiny` generates them (the DFlash2 drafter: drafter2).
@@ -57,3 +60,47 @@ def write_profiles(directory: Path, profiles: dict[str, dict[str, Any]]) -> Path
     for name, data in profiles.items():
         (directory / f"{name}.toml").write_bytes(tomli_w.dumps(data).encode())
     return directory
+
+
+class TinyServers:
+    """Tiny GPU profiles served through `qwen38 serve` side by side on one shared CACHE_DIR
+    (``QWEN38_GPU_CACHE_DIR``, default a temporary directory, so a later run on the same
+    machine, or one given the cache carried in, starts warm).
+
+    ``served``: key -> (profile file name, `qwen38 serve`'s own settings, e.g. SPECULATION);
+    ``profiles``: profile file name -> its TOML data (`derive`). Ready seconds go into the tier
+    report as ``{label}{key}.ready_s.{start}``."""
+
+    READY_TIMEOUT_S = 900
+
+    def __init__(self, factory, models: Path, key_file: Path, profiles: dict[str, dict[str, Any]],
+                 served: dict[str, tuple[str, dict[str, str]]], label: str = ""):
+        self.factory, self.models, self.key_file, self.served, self.label = factory, models, key_file, served, label
+        self.profiles_dir = write_profiles(factory.mktemp("profiles"), profiles)
+        given = os.environ.get("QWEN38_GPU_CACHE_DIR")
+        self.cache_dir = Path(given) if given else factory.mktemp("cache")
+        self.servers = {}
+
+    def launch(self, key: str, start: str = "cold"):
+        name, settings = self.served[key]
+        server = launch_server(
+            self.factory.mktemp(f"{key}-{start}"), self.models, self.key_file, name, cache_dir=self.cache_dir,
+            PROFILES_DIR=str(self.profiles_dir), READY_TIMEOUT=str(self.READY_TIMEOUT_S), **settings,
+        )
+        self.servers[key] = server
+        return server
+
+    def gate(self, key: str, start: str = "cold"):
+        server = wait_ready(self.servers[key], timeout=self.READY_TIMEOUT_S)
+        record(f"{self.label}{key}.ready_s.{start}", round(server.seconds_to_ready, 1))
+        print(f"{key}: {start} start gated in {server.seconds_to_ready:.0f} s", flush=True)
+        return server
+
+    def gated(self, key: str):
+        """``key``'s server, waited for once (a server started beside others is gated when first used)."""
+        if self.servers[key].seconds_to_ready == 0.0:
+            self.gate(key)
+        return self.servers[key]
+
+    def stop_all(self):
+        stop_server(*self.servers.values())

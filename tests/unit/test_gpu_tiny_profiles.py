@@ -60,8 +60,9 @@ def test_tiny_gpu_profile_keeps_the_engine_settings_and_vllm_parses_it(name, tmp
 
 def test_the_tier_writes_four_profiles_and_its_reference_serves_without_the_drafter(tmp_path):
     from tests.gpu.test_profiles_gpu import KEYS, tier_profiles
+    from tests.gpu.tiny_profiles import write_profiles
 
-    directory = tier_profiles(tmp_path / "profiles")
+    directory = write_profiles(tmp_path / "profiles", tier_profiles())
     assert sorted(p.stem for p in directory.glob("*.toml")) == sorted(KEYS.values())
     settings = Settings(_env_file=None, profile="single-nospec-tiny", profiles_dir=directory,
                         models_dir=tmp_path / "m", cache_dir=tmp_path / "cache")
@@ -94,4 +95,4 @@ def test_tiny_batch_profile_keeps_its_64_slots_fp8_kv_and_w4a8_and_vllm_parses_i
     assert args.enable_prefix_caching and args.speculative_config is None
     assert args.max_model_len == TINY_MAX_MODEL_LEN and args.kv_cache_memory_bytes == TINY_KV_BYTES
     assert args.compilation_config.max_cudagraph_capture_size == 64
-    assert inv.env["VLLM_MARLIN_INPUT_DTYPE"] == "int8"
+    assert inv.env["VLLM_MARLIN_INPUT_DTYPE"] == "int8" and inv.env["QWEN38_W4A8_LAYERS"] == "mlp"
