@@ -113,6 +113,28 @@ class DrafterShape:
 
 
 @dataclass(frozen=True)
+class VisionShape:
+    """The vision tower's sizes (vLLM's `Qwen3_VisionTransformer`: a Conv3d patch embedding,
+    learned position embeddings, ``depth`` pre-LayerNorm ViT blocks, and a merger that folds
+    each ``spatial_merge_size``^2 patches into one token of ``out_hidden_size``, the text hidden)."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    num_position_embeddings: int  # a square: vLLM interpolates a sqrt x sqrt grid
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+
+    @property
+    def merged_size(self) -> int:
+        return self.hidden_size * self.spatial_merge_size**2
+
+
+@dataclass(frozen=True)
 class Preset:
     """A size of the generated models, and which of them ``qwen38 generate`` writes."""
 
@@ -132,6 +154,9 @@ class Preset:
     # fixed successor, and the residual-writing projections are this many times stronger.
     successor_head: bool = False
     residual_gain: float = 1.0
+    # A vision tower (``model.visual.*``) and its processor configs; only with the "vl" config
+    # form and names (`Qwen3_5ForConditionalGeneration`).
+    vision: VisionShape | None = None
 
     def with_layers(self, layers: int) -> Preset:
         """The same shapes with ``layers`` target layers (a slice, for measuring throughput)."""
@@ -191,10 +216,21 @@ def drafter_shape_from_config(config: dict[str, Any]) -> DrafterShape:
     )
 
 
+def vision_shape_from_config(vision_config: dict[str, Any]) -> VisionShape:
+    """The vision tower's sizes as a checkpoint's ``vision_config`` states them."""
+    fields = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size", "num_position_embeddings",
+              "patch_size", "temporal_patch_size", "spatial_merge_size", "in_channels")
+    if vision_config.get("deepstack_visual_indexes"):
+        raise PrepareError("vision_config.deepstack_visual_indexes: the generator writes no deepstack mergers")
+    return VisionShape(**{k: vision_config[k] for k in fields})
+
+
 # The full size is read from the real checkpoints' configs (profiles/model-configs/): one source
 # for the shapes the generator writes, the roofline counts and the planner plans.
 FULL_TARGET = target_shape_from_config(_model_config("qwen3.8-27b-w4a16")["text_config"])
 FULL_DRAFTER = drafter_shape_from_config(_model_config("qwen3.8-27b-dflash2"))
+# The real tower (27 blocks, hidden 1152): what the planner will count once a profile serves images.
+FULL_VISION = vision_shape_from_config(_model_config("qwen3.8-27b-w4a16")["vision_config"])
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -256,6 +292,19 @@ TINY = Preset(
     variants=("qwen3.8-27b-bf16",), shard_names=("model.safetensors",),
 )
 PRESETS = {TINY_PRESET: TINY, **PRESETS}
+# The tiny target with a tiny vision tower (docs/vision.md): TINY's text model under the hub
+# checkpoint's names and `Qwen3_5ForConditionalGeneration` config, plus a 2-block ViT of the
+# real structure (patch 16, temporal patch 2, merge 2, no deepstack) whose merger writes
+# TINY's hidden size. Its tokenizer carries the vision tokens and its chat template places
+# ``<|vision_start|><|image_pad|><|vision_end|>`` for an image part.
+TINY_VISION_PRESET = "tiny-vision"
+TINY_VISION = replace(
+    TINY, name=TINY_VISION_PRESET, drafter=None, names="vl", config_form="vl",
+    description="the cpu profile's tiny target with a tiny vision tower (2 ViT blocks, hidden 64), one file",
+    vision=VisionShape(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                       out_hidden_size=TINY.target.hidden_size, num_position_embeddings=256),
+)
+PRESETS[TINY_VISION_PRESET] = TINY_VISION
 PRESET_NAMES = tuple(PRESETS)
 # The generated tokenizer's special tokens take ids 0-9 (prepare.tokenizer.SPECIAL_TOKENS).
 SPECIAL_IDS = 10
@@ -484,6 +533,41 @@ def target_tensors(p: Preset, fmt: Format) -> list[StoredTensor]:
     if shape.mtp_layers:
         out.append(_float("mtp.fc.weight", (h, 2 * h), STD))
         out += [_const(f"mtp.{n}.weight", (h,), 0.0) for n in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding")]
+    if p.vision is not None:
+        if p.names != "vl" or p.config_form != "vl":
+            raise PrepareError(f"preset {p.name}: a vision tower needs the hub checkpoint's names and vl config")
+        out += vision_tensors(p.vision)
+    return out
+
+
+VISUAL_PREFIX = "model.visual."
+
+
+def vision_tensors(v: VisionShape) -> list[StoredTensor]:
+    """The tower's tensors under the hub checkpoint's names (bf16 in every format: the W4A16
+    ignore list and the NVFP4 exclusions name ``visual``). LayerNorms are ones and zeros,
+    biases zero, weights normal(0, 0.02) as the real config's initializer_range."""
+    h, merged, p = v.hidden_size, v.merged_size, VISUAL_PREFIX
+    out = [
+        _float(f"{p}patch_embed.proj.weight", (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size), STD),
+        _const(f"{p}patch_embed.proj.bias", (h,), 0.0),
+        _float(f"{p}pos_embed.weight", (v.num_position_embeddings, h), STD),
+    ]
+
+    def layer_norm(module: str, size: int) -> list[StoredTensor]:
+        return [_const(f"{module}.weight", (size,), 1.0), _const(f"{module}.bias", (size,), 0.0)]
+
+    def biased(module: str, out_f: int, in_f: int) -> list[StoredTensor]:
+        return [_float(f"{module}.weight", (out_f, in_f), STD), _const(f"{module}.bias", (out_f,), 0.0)]
+
+    for index in range(v.depth):
+        block = f"{p}blocks.{index}"
+        out += layer_norm(f"{block}.norm1", h) + layer_norm(f"{block}.norm2", h)
+        out += biased(f"{block}.attn.qkv", 3 * h, h) + biased(f"{block}.attn.proj", h, h)
+        out += biased(f"{block}.mlp.linear_fc1", v.intermediate_size, h)
+        out += biased(f"{block}.mlp.linear_fc2", h, v.intermediate_size)
+    out += layer_norm(f"{p}merger.norm", h)
+    out += biased(f"{p}merger.linear_fc1", merged, merged) + biased(f"{p}merger.linear_fc2", v.out_hidden_size, merged)
     return out
 
 
@@ -625,6 +709,9 @@ def target_config(p: Preset, fmt: Format, special: dict[str, int]) -> dict[str, 
     if p.config_form == "vl":
         config = {k: v for k, v in real.items() if k != "quantization_config"}
         config["text_config"] = text
+        if p.vision is not None:
+            config["vision_config"] = {**real["vision_config"], **vision_fields(p.vision)}
+            config.update({key: special[name] for name, key in VISION_TOKEN_KEYS.items()})
     else:
         config = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text"}
         config.update({k: v for k, v in text.items() if k != "model_type"})
@@ -633,6 +720,45 @@ def target_config(p: Preset, fmt: Format, special: dict[str, int]) -> dict[str, 
     if fmt in quant:
         config["quantization_config"] = quant[fmt]()
     return config
+
+
+# The vision tokens (prepare.tokenizer.VISION_TOKENS) as config.json names their ids.
+VISION_TOKEN_KEYS = {"vision_start": "vision_start_token_id", "vision_end": "vision_end_token_id",
+                     "image_pad": "image_token_id", "video_pad": "video_token_id"}
+
+
+def vision_fields(v: VisionShape) -> dict[str, Any]:
+    return {"depth": v.depth, "hidden_size": v.hidden_size, "intermediate_size": v.intermediate_size,
+            "num_heads": v.num_heads, "out_hidden_size": v.out_hidden_size,
+            "num_position_embeddings": v.num_position_embeddings, "patch_size": v.patch_size,
+            "temporal_patch_size": v.temporal_patch_size, "spatial_merge_size": v.spatial_merge_size,
+            "in_channels": v.in_channels, "deepstack_visual_indexes": []}
+
+
+# The tiny processor's pixel budget: at most 256 x 256 pixels an image (256 patches of 16 x 16,
+# 64 tokens after the 2 x 2 merge), at least 32 x 32 (one token), so that vLLM's profiling run
+# (a largest dummy image) stays cheap on a CPU.
+TINY_MIN_PIXELS = 32 * 32
+TINY_MAX_PIXELS = 256 * 256
+
+
+def processor_configs(v: VisionShape, *, min_pixels: int = TINY_MIN_PIXELS,
+                      max_pixels: int = TINY_MAX_PIXELS) -> dict[str, dict[str, Any]]:
+    """preprocessor_config.json and video_preprocessor_config.json: transformers'
+    `Qwen3VLProcessor` (an image processor and a video processor of the tower's patch sizes,
+    mean and std 0.5 as the Qwen3-VL family's), under a tiny pixel budget."""
+    common = {
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size, "merge_size": v.spatial_merge_size,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_resize": True,
+        "do_convert_rgb": True, "processor_class": "Qwen3VLProcessor",
+    }
+    return {
+        "preprocessor_config.json": {**common, "image_processor_type": "Qwen2VLImageProcessorFast"},
+        "video_preprocessor_config.json": {**common, "video_processor_type": "Qwen3VLVideoProcessor",
+                                           "fps": 2, "min_frames": 4, "max_frames": 16, "do_sample_frames": True},
+    }
 
 
 def dflash1_config(p: Preset, special: dict[str, int]) -> dict[str, Any]:

@@ -27,6 +27,10 @@ SPECIAL_TOKENS = [
 ]
 TOKENIZER_VOCAB = 1000
 CHAT_TEMPLATE = Path(__file__).with_name("tiny_chat_template.jinja")
+# A vision model's tokenizer: these take the last ids of the filled vocabulary (as the real
+# checkpoint's sit near the top of its 248,320), and its template places images.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VISION_CHAT_TEMPLATE = Path(__file__).with_name("tiny_vl_chat_template.jinja")
 
 
 # ---- tokenizer ---------------------------------------------------------------------------
@@ -69,7 +73,8 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
 
 
 def build_tokenizer(
-    seed: int, vocab: int = TOKENIZER_VOCAB, *, fill_to: int | None = None, corpus: tuple[str, ...] | None = None
+    seed: int, vocab: int = TOKENIZER_VOCAB, *, fill_to: int | None = None, corpus: tuple[str, ...] | None = None,
+    vision: bool = False,
 ):
     """Train the byte-level BPE (``vocab`` tokens) and wrap it as a transformers fast tokenizer.
 
@@ -77,6 +82,8 @@ def build_tokenizer(
     model of the real vocabulary emits any id, and every id must decode). Encoding never
     produces them (no merge makes them); they decode to plain ASCII, which the byte-level
     alphabet maps to itself. ``corpus``: lines to train on instead of the seeded mix.
+    ``vision``: `VISION_TOKENS` replace the last placeholders (``fill_to`` needed) and the
+    template is the vision one; without it the files are what they always were.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -95,15 +102,31 @@ def build_tokenizer(
         data = json.loads(tok.to_str())
         taken = tok.get_vocab_size()
         data["model"]["vocab"].update({f"<t{i}>": i for i in range(taken, fill_to)})
+        if vision:
+            _name_last_ids(data, VISION_TOKENS, fill_to)
         tok = Tokenizer.from_str(json.dumps(data))
+    elif vision:
+        raise ValueError("a vision tokenizer names the last placeholder ids: pass fill_to above the BPE vocabulary")
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[3:],
+        additional_special_tokens=SPECIAL_TOKENS[3:] + (VISION_TOKENS if vision else []),
     )
-    fast.chat_template = CHAT_TEMPLATE.read_text(encoding="utf-8")
+    fast.chat_template = (VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE).read_text(encoding="utf-8")
     return fast
+
+
+def _name_last_ids(data: dict, tokens: list[str], fill_to: int) -> None:
+    """``tokens`` take the ids fill_to - len(tokens) ... fill_to - 1 (placeholders before), as
+    special added tokens: never split, never produced by a merge."""
+    vocab = data["model"]["vocab"]
+    for offset, token in enumerate(tokens):
+        token_id = fill_to - len(tokens) + offset
+        del vocab[f"<t{token_id}>"]
+        vocab[token] = token_id
+        data["added_tokens"].append({"id": token_id, "content": token, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
 
 
 def drop_nondeterministic(directory: Path) -> None:
