@@ -1,0 +1,163 @@
+"""The k4v2_g128 quantized KV cache (patches/src/v1/attention/ops/qwen38_kv_k4v2.py)
+under Triton's interpreter on CPU: the write kernel's bytes against the torch quantizer,
+the page size against the planner's bytes function, and the split-KV attention kernel
+against float32 attention over the dequantized cache (kernel bugs) and over the
+unquantized bf16 K/V (quantization error) on Qwen3.8's heads (24 q / 4 kv, head_dim 256).
+Long contexts are marked slow (the interpreter runs each program in Python)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.split_kv_support import REPO, load_triton_file
+
+KERNEL_FILE = REPO / "patches" / "src" / "v1" / "attention" / "ops" / "qwen38_kv_k4v2.py"
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 24, 4, 256
+SCALE = HEAD_DIM**-0.5
+
+# Quantization error on random N(0,1) K/V and q (diffuse attention, the hard case for
+# 2-bit values: the output is a mean of many quantized rows). Measured (docs/kv-k4v2.md):
+# relative Frobenius error 0.50-0.52, minimum per-row cosine 0.84-0.88, max abs 0.06
+# (ctx 4200) to 0.38 (ctx 130, where fewer rows are averaged).
+MAX_REL_ERROR_VS_BF16 = 0.60
+MIN_COSINE_VS_BF16 = 0.80
+MAX_ABS_ERROR_VS_BF16 = 0.50
+# Against the dequantized cache the kernel differs only by float rounding: the fp16
+# P.V operand (2^-11 relative per term) and the bf16 output (2^-8 relative).
+DEQ_ATOL, DEQ_RTOL = 2e-3, 2.0**-7
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def k4v2():
+    return load_triton_file(KERNEL_FILE, "qwen38_kv_k4v2", interpret=True)
+
+
+def _kv(num_tokens: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    return key, value, gen
+
+
+def _paged(k4v2, seq_len: int, seed: int, *, spare: int = 2):
+    """A cache holding one request of seq_len tokens on shuffled pages (torch writer)."""
+    key, value, gen = _kv(seq_len, seed)
+    pages = -(-seq_len // k4v2.BLOCK_SIZE)
+    order = torch.randperm(pages + spare, generator=gen)
+    block_table = torch.zeros(1, pages + 1, dtype=torch.int32)
+    block_table[0, :pages] = order[:pages].int()
+    pos = torch.arange(seq_len)
+    slots = block_table[0, pos // 128].long() * 128 + pos % 128
+    cache = k4v2.allocate_cache(pages + spare, NUM_KV_HEADS)
+    k4v2.write_reference(cache, key, value, slots)
+    return cache, block_table, key, value, gen
+
+
+def test_layout_bytes_per_token_and_block(k4v2):
+    layout = k4v2.KVK4V2Layout(NUM_KV_HEADS)
+    assert layout.bytes_per_token_head == 128 + 64 + 8 + 8 == 208
+    assert layout.bytes_per_token == 832
+    assert layout.bytes_per_block == 128 * 832 == 106_496
+    assert k4v2.bytes_per_token(16, NUM_KV_HEADS) == 13_312
+    assert k4v2.allocate_cache(3, NUM_KV_HEADS).numel() == 3 * layout.bytes_per_block
+    # 245,760 tokens x 2 slots, whole pages, 16 layers.
+    assert layout.bytes_for(245_760 * 2, num_layers=16) == 6_543_114_240
+
+
+def test_write_kernel_bytes_equal_torch_quantizer_and_fill_exactly_the_page(k4v2):
+    # 130 tokens (one page and two slots of the next) + a padding token, shuffled slots,
+    # a block stride wider than the page and a nonzero storage offset (hybrid pool).
+    key, value, gen = _kv(131, seed=1)
+    key[3, 1, :128] = 0.5  # a constant group: step 0
+    key[4, 2] *= 300.0  # large magnitudes
+    layout = k4v2.KVK4V2Layout(NUM_KV_HEADS)
+    num_blocks, stride = 4, layout.bytes_per_block + 512
+    slots = torch.randperm(num_blocks * 128, generator=gen)[:131]
+    slots[-1] = -1
+    backing = torch.full((16 + num_blocks * stride,), 0xAB, dtype=torch.uint8)
+    cache = backing[16:].view(num_blocks, stride)[:, : layout.bytes_per_block]
+    k4v2.kvk4v2_write(key, value, cache, slots, rows=64)
+
+    expected = torch.full_like(backing, 0xAB)
+    k4v2.write_reference(expected[16:].view(num_blocks, stride)[:, : layout.bytes_per_block], key, value, slots)
+    assert torch.equal(backing, expected)
+    # The bytes written are exactly bytes_per_token per token (no hidden padding): count
+    # the changed bytes of a fresh page set.
+    fresh = torch.full((num_blocks, layout.bytes_per_block), 0xAB, dtype=torch.uint8)
+    marker = torch.full_like(fresh, 0x54)
+    k4v2.kvk4v2_write(key, value, fresh, slots, rows=64)
+    k4v2.kvk4v2_write(key, value, marker, slots, rows=64)
+    touched = (fresh != 0xAB) | (marker != 0x54)
+    assert int(touched.sum()) == 130 * layout.bytes_per_token
+
+    # Round trip: dequantized pages equal the torch quantizer's x_hat exactly.
+    keys, values = k4v2.dequantize_pages(cache, NUM_KV_HEADS)
+    blocks, offsets = slots[:-1] // 128, slots[:-1] % 128
+    for x, bits, got in ((key, 4, keys), (value, 2, values)):
+        codes, s, m = k4v2.quantize_reference(x[:-1], bits)
+        assert torch.equal(got[blocks, offsets], k4v2.dequantize_codes(codes, s, m))
+        assert int(codes.max()) <= (1 << bits) - 1
+    # Quantization error is at most half a step per element.
+    codes, s, m = k4v2.quantize_reference(key[:-1], 4)
+    step = s.float().repeat_interleave(128, dim=-1)
+    err = (k4v2.dequantize_codes(codes, s, m) - key[:-1].float()).abs()
+    assert bool((err <= step * 0.5 + 1e-3 * key[:-1].float().abs() + 1e-6).all())
+
+
+def _run_attention(k4v2, seq_len: int, q_len: int, seed: int):
+    cache, block_table, key, value, gen = _paged(k4v2, seq_len, seed)
+    q = torch.randn(q_len, NUM_Q_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    out = torch.full_like(q, float("nan"))
+    workspace = k4v2.KVK4V2Workspace(1, 16, NUM_Q_HEADS, max_splits=16, device="cpu")
+    config = k4v2.KVK4V2Config(tile_n=128, min_split_tokens=256)
+    k4v2.kvk4v2_attention(
+        q, cache, out, num_kv_heads=NUM_KV_HEADS, cu_seqlens_q=torch.tensor([0, q_len], dtype=torch.int32),
+        seqused_k=torch.tensor([seq_len], dtype=torch.int32), block_table=block_table, max_seqlen_q=q_len,
+        softmax_scale=SCALE, workspace=workspace, config=config,
+    )
+    keys, values = k4v2.gather_dequantized(cache, NUM_KV_HEADS, block_table[0], seq_len)
+    ref_deq = k4v2.reference_attention(q, keys, values, SCALE)
+    ref_bf16 = k4v2.reference_attention(q, key, value, SCALE)
+    return out, ref_deq, ref_bf16
+
+
+CASES = [
+    pytest.param(130, 1, id="ctx130-q1"),
+    pytest.param(130, 8, id="ctx130-q8"),
+    pytest.param(1000, 1, id="ctx1000-q1"),
+    pytest.param(1000, 8, id="ctx1000-q8"),
+    pytest.param(4200, 1, id="ctx4200-q1", marks=pytest.mark.slow),
+    pytest.param(4200, 8, id="ctx4200-q8", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("seq_len,q_len", CASES)
+def test_attention_matches_dequantized_reference_and_bounds_quantization_error(k4v2, seq_len, q_len):
+    out, ref_deq, ref_bf16 = _run_attention(k4v2, seq_len, q_len, seed=seq_len + q_len)
+    assert bool(torch.isfinite(out).all())
+    got = out.float()
+    # 1. Kernel vs the same math in torch over the dequantized cache: float rounding only.
+    err = (got - ref_deq).abs()
+    assert bool((err <= DEQ_ATOL + DEQ_RTOL * ref_deq.abs()).all()), f"kernel error {err.max():.3e}"
+    # 2. Against attention over the unquantized bf16 K/V: the format's error.
+    diff = got - ref_bf16
+    rel = float(diff.norm() / ref_bf16.norm())
+    cos = float(torch.nn.functional.cosine_similarity(got.flatten(0, 1), ref_bf16.flatten(0, 1), dim=-1).min())
+    max_abs = float(diff.abs().max())
+    print(f"ctx {seq_len} q {q_len}: kernel-vs-deq max {err.max():.2e}; vs bf16 rel {rel:.3f} "
+          f"min cos {cos:.3f} max abs {max_abs:.3f}")
+    assert rel <= MAX_REL_ERROR_VS_BF16
+    assert cos >= MIN_COSINE_VS_BF16
+    assert max_abs <= MAX_ABS_ERROR_VS_BF16
+
+
+def test_split_plan_uses_many_programs_for_long_contexts(k4v2):
+    assert k4v2.split_plan(245_760, 32, 512, 64) == (32, 7680)
+    assert k4v2.split_plan(130, 32, 512, 64) == (1, 512)
+    assert k4v2.split_plan(0, 32, 512, 64) == (0, 0)
