@@ -86,13 +86,6 @@ class Served:
     # The profile's [env] entries this copy leaves out (e.g. VLLM_MARLIN_INPUT_DTYPE: W4A8 off).
     drop_env: tuple[str, ...] = ()
 
-    @property
-    def method(self) -> str | None:
-        """The speculation method this copy serves with, by name (None: off; "own": the profile's)."""
-        if not self.speculation:
-            return None
-        return dict(self.settings).get("SPECULATION", "own")
-
 
 MARLIN_AS_ON_THE_3090 = (("VLLM_DISABLED_KERNELS", "MacheteLinearKernel"),)
 VERIFY_DEPTHS = (25_000, 128_000)  # the split-KV verify kernel's contexts (docs/split-kv.md)
@@ -231,10 +224,10 @@ def derive_profile(name: str, *, cap_fraction: float | None = None, speculation:
         engine["max_model_len"] = max_model_len
     if extra_env:
         data.setdefault("env", {}).update(extra_env)
-    for name in drop_env:
-        if name not in data.get("env", {}):
-            raise BenchError(f"{name}: profile {real.name} does not set it in [env]; nothing to leave out")
-        del data["env"][name]
+    for variable in drop_env:
+        if variable not in data.get("env", {}):
+            raise BenchError(f"{variable}: profile {real.name} does not set it in [env]; nothing to leave out")
+        del data["env"][variable]
     return data
 
 
@@ -1046,10 +1039,11 @@ def summarize(results: dict[str, dict[str, Any]], served: dict[str, Served] | No
                 except BenchError:
                     shape = None
                 if shape is not None:
-                    # The roofline's speculative step is the profile's own drafter's (K=7 DFlash2).
-                    if s.method in (None, "own"):
+                    # The roofline's speculative step is the drafter's (K=7 DFlash2): none for MTP.
+                    method = measure.get("speculation", "dflash" if s.speculation else None)
+                    if method != "mtp":
                         row["roofline"] = figures.roofline_rows(shape, bandwidth["bytes_per_s"], measure["decode"],
-                                                                s.method == "own")
+                                                                method is not None)
         summary["profiles"][name] = row
     return summary
 

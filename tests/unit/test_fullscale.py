@@ -457,3 +457,18 @@ def test_a_workload_no_size_has_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(BenchError, match="not ready"):
         fs.step_measure(tmp_path, "single-full", "quick", ("users",))
     assert set(fs.MEASURE_SIZES["quick"]) == set(fs.MEASURE_SIZES["full"]) == set(fs.MEASURE_SIZES["tiny"])
+
+
+def test_the_roofline_row_follows_the_method_the_copy_served_with():
+    """A copy measured with MTP gets no roofline (its bytes per step are not DFlash2's); one
+    without speculation is set against the no-speculation bytes, whatever its profile says."""
+    decode = {"c1": {"mean_context_tokens": 640, "concurrency": 1, "batch": 1, "step_ms": 10.0}}
+    results = {"bandwidth": {"bytes_per_s": 4e12, "gb_s": 4000.0, "method": "copy"}}
+    for name, method in (("single-full", "dflash"), ("single-mtp-full", "mtp"), ("single-nospec-full", None)):
+        results[f"{name}.start"] = {}
+        results[f"{name}.measure"] = {"decode": decode, "speculation": method}
+    rows = fs.summarize(results)["profiles"]
+    single = rf.servings()["single"]
+    assert rows["single-full"]["roofline"]["c1"]["bytes_per_step"] == single.step_bytes(640, 1, True)
+    assert rows["single-nospec-full"]["roofline"]["c1"]["bytes_per_step"] == single.step_bytes(640, 1, False)
+    assert "roofline" not in rows["single-mtp-full"]
