@@ -228,6 +228,16 @@ class Settings(BaseSettings):
         example="",
     )
 
+    torch_profile_dir: Path | None = _knob(
+        None,
+        "runtime",
+        "Directory for torch-profiler traces (empty: profiling off). Set, `qwen38 serve` turns on vLLM's torch "
+        "profiler (its /start_profile and /stop_profile routes, without Python stacks) and its per-step "
+        "record_function scopes; `qwen38 bench steps` drives it (docs/step-profile.md). For measurement only: "
+        "never on a server people use.",
+        example="",
+    )
+
     watchdog_stall_timeout: float = _knob(
         120.0,
         "runtime",

@@ -67,6 +67,9 @@ def engine_args(resolved: ResolvedEngine, settings: Settings | None = None) -> d
                 "middleware": [MIDDLEWARE_PATH],
             }
         )
+        profiler = profiler_config(settings)
+        if profiler is not None:
+            args["profiler-config"] = profiler
     # vLLM drains a little longer than the guard, which ends what is still open first.
     args["shutdown-timeout"] = resolved.shutdown_timeout + ENGINE_GRACE_S
     optional = {
@@ -111,6 +114,21 @@ def engine_args(resolved: ResolvedEngine, settings: Settings | None = None) -> d
         args["lora-modules"] = [json.dumps(module, sort_keys=True)]
     args.update(resolved.extra)
     return args
+
+
+def profiler_config(settings: Settings) -> dict[str, Any] | None:
+    """vLLM's ``--profiler-config`` for TORCH_PROFILE_DIR (None: unset, profiling off).
+
+    The torch profiler writing into that directory (vLLM wants it absolute), without Python
+    stacks (they multiply the trace and the step's host time); vLLM's defaults otherwise:
+    gzip'd chrome traces, every iteration between /start_profile and /stop_profile."""
+    if settings.torch_profile_dir is None:
+        return None
+    return {
+        "profiler": "torch",
+        "torch_profiler_dir": str(settings.torch_profile_dir.absolute()),
+        "torch_profiler_with_stack": False,
+    }
 
 
 def _speculative_config(resolved: ResolvedEngine) -> dict[str, Any] | None:

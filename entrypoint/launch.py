@@ -118,6 +118,10 @@ def _engine_env(resolved: ResolvedEngine, settings: Settings, api_key: SecretStr
     if resolved.devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = resolved.devices
     env.update(parallel_env(resolved))
+    if settings.torch_profile_dir is not None:
+        # vLLM's record_function scopes inside a step (forward, sample, draft, ...): what
+        # `qwen38 bench steps` attributes the step's time by (docs/step-profile.md).
+        env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     env.update(resolved.env)
     if api_key is not None:
         # Our guard's variable, not VLLM_API_KEY: vLLM would install its own narrower check beside it.

@@ -1,4 +1,4 @@
-"""`qwen38 bench c1|c8|agent|users|depth|copy|compare|plot|watchdog`: the benchmarks run against a server.
+"""`qwen38 bench c1|c8|agent|users|depth|copy|compare|plot|watchdog|steps`: the benchmarks run against a server.
 
 ``qwen38 bench WORKLOAD --base-url URL --model ID [--api-key KEY | --api-key-file F]
 [--out FILE.json] [--plot FILE.png]`` runs the workload (`bench.workloads`, measured by
@@ -6,7 +6,9 @@
 prints a table and writes the JSON result. It exits non-zero when the figures fail a
 consistency check (streamed tokens vs usage, usage vs /tokenize, usage vs /metrics,
 speculative counters). ``compare`` and ``plot`` read those results (`bench.report`);
-``watchdog`` measures what the watchdog costs a running server (`bench.watchdog`).
+``watchdog`` measures what the watchdog costs a running server (`bench.watchdog`); ``steps``
+records a torch-profiler trace of steady decode steps through vLLM's /start_profile and
+/stop_profile and tables where a step's time goes (`bench.step_profile`, docs/step-profile.md).
 """
 
 from __future__ import annotations
@@ -114,6 +116,78 @@ def _cmd_watchdog(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server_vllm_version(client: StackClient) -> str | None:
+    try:
+        response = client.get("/version")
+        return response.json().get("version") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _cmd_steps(args: argparse.Namespace) -> int:
+    import shlex
+    import sys
+    from importlib import metadata
+
+    from bench import step_profile  # deferred: `qwen38 bench --help` needs none of it
+
+    trace_dir = Path(args.trace_dir)
+    if not trace_dir.is_dir():
+        raise BenchError(f"--trace-dir {trace_dir}: no such directory (the server's TORCH_PROFILE_DIR)")
+    d = DEFAULT_TIMEOUT
+    # /stop_profile answers once the trace is written: minutes for a CPU trace of many ops.
+    timeout = httpx.Timeout(connect=d.connect, read=args.trace_timeout, write=d.write, pool=d.pool)
+    points = []
+    traces = []
+    with StackClient(args.base_url, api_key(args), timeout=timeout) as client:
+        for concurrency in args.concurrency:
+            step_profile.decode_streams(client, args.model, concurrency, args.warmup_steps)
+            before = step_profile.trace_files(trace_dir)
+            response = client.post("/start_profile", {})
+            if response.status_code != 200:
+                raise BenchError(
+                    f"/start_profile answered {response.status_code}: serve with TORCH_PROFILE_DIR set "
+                    "(vLLM adds the profiler's routes only then)"
+                )
+            tokens = step_profile.decode_streams(client, args.model, concurrency, args.steps)
+            response = client.post("/stop_profile", {})
+            if response.status_code != 200:
+                raise BenchError(f"/stop_profile answered {response.status_code}: {response.text[:200]}")
+            path = step_profile.wait_for_trace(trace_dir, before, args.trace_timeout)
+            print(f"concurrency {concurrency}: {sum(tokens)} tokens; trace {path} ({path.stat().st_size} bytes)")
+            trace = step_profile.load_trace(path)
+            point = step_profile.analyse(trace, concurrency)
+            point["trace"] = str(path)
+            point["completion_tokens"] = tokens
+            points.append(point)
+            traces.append(step_profile.trace_versions(trace))
+        # vLLM stamps its version into the first trace of a server only: else its /version.
+        vllm_version = next((t["vllm"] for t in traces if t["vllm"]), None) or _server_vllm_version(client)
+    gpus = sorted({g for t in traces for g in t["gpus"] if g})
+    machine = client_machine(args.machine_note)
+    doc = {
+        "bench": "steps",
+        "command": "qwen38 " + shlex.join(sys.argv[1:]),
+        "base_url": args.base_url,
+        "model": args.model,
+        "steps": args.steps,
+        "versions": {
+            "vllm": vllm_version,
+            "torch": metadata.version("torch"),
+            "device": ", ".join(gpus) if gpus else f"CPU: {machine['cpu']} ({machine['cores']} cores)",
+        },
+        "machine": machine,
+        "points": points,
+    }
+    print(step_profile.markdown(doc))
+    out = Path(args.out)
+    _write_json(out, doc)
+    md = out.with_suffix(".md")
+    md.write_text(step_profile.markdown(doc))
+    print(f"result: {out}, {md}")
+    return 0
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
@@ -204,6 +278,37 @@ def register_workloads(subparsers: argparse._SubParsersAction) -> None:
     plot.add_argument("results", nargs="+", help="result JSON files (same x axis: c1/c8/agent, or depth/copy)")
     plot.add_argument("--out", required=True, help="PNG to write")
     plot.set_defaults(func=_cmd_plot)
+
+
+def register_steps(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "steps",
+        help="profile steady decode steps: where a step's time goes, by part",
+        description="Against a server started with TORCH_PROFILE_DIR: record a torch-profiler trace of steady "
+        "decode steps through vLLM's /start_profile and /stop_profile at each concurrency, and write a table "
+        "of the step's time by part (GEMMs, GDN kernels, attention, drafter, sampling, lm_head, host) as JSON "
+        "and markdown (docs/step-profile.md).",
+    )
+    parser.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:18020")
+    parser.add_argument("--model", required=True, help="model id to decode with (one of /v1/models)")
+    parser.add_argument("--api-key", help="API key (prefer --api-key-file; default: VLLM_API_KEY / API_KEY_FILE)")
+    parser.add_argument("--api-key-file", help="file holding the API key")
+    parser.add_argument("--trace-dir", required=True, help="the server's TORCH_PROFILE_DIR (read here: a local server)")
+    parser.add_argument(
+        "--concurrency", type=_int_list, default=(1,), metavar="N[,N...]", help="streams side by side (default 1)"
+    )
+    parser.add_argument("--steps", type=int, default=32, help="tokens each stream decodes while profiled (default 32)")
+    parser.add_argument("--warmup-steps", type=int, default=8, help="tokens of the unprofiled warm-up (default 8)")
+    parser.add_argument(
+        "--trace-timeout",
+        type=_positive_seconds,
+        default=1800.0,
+        metavar="SECONDS",
+        help="how long /stop_profile may take to write the trace (default 1800)",
+    )
+    parser.add_argument("--out", required=True, help="the JSON result; the markdown table beside it (.md)")
+    parser.add_argument("--machine-note", help="free text recorded with the machine")
+    parser.set_defaults(func=_cmd_steps)
 
 
 def register_watchdog(subparsers: argparse._SubParsersAction) -> None:

@@ -294,3 +294,31 @@ def test_the_drain_is_the_profiles_unless_overridden_and_vllm_drains_a_little_lo
     assert inv.env[DRAIN_ENV] == "7" and inv.config["shutdown-timeout"] == 7 + ENGINE_GRACE_S
     with pytest.raises(ValidationError):
         settings(shutdown_timeout=31)  # past the bound that keeps the stop inside compose's grace period
+
+
+@pytest.mark.parametrize("name", sorted(profile_names()))
+def test_torch_profile_dir_is_off_by_default_and_renders_vllms_profiler_when_set(name, tmp_path):
+    """Issue 57: TORCH_PROFILE_DIR unset renders nothing of the profiler (every profile's
+    invocation as before); set, vLLM's torch profiler into that directory without Python
+    stacks, read by vLLM's own parser as a ProfilerConfig, and its record_function scopes on."""
+    from vllm.config import ProfilerConfig
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    profile = load_profile(name)
+    plain = render_resolved(profile, settings(profile=name), KEY)
+    assert "profiler-config" not in plain.config and "VLLM_CUSTOM_SCOPES_FOR_PROFILING" not in plain.env
+    assert "profiler" not in plain.config_yaml()
+    traces = tmp_path / "traces"
+    inv = render_resolved(profile, settings(profile=name, cache_dir=tmp_path, torch_profile_dir=traces), KEY)
+    assert inv.config["profiler-config"] == {
+        "profiler": "torch", "torch_profiler_dir": str(traces), "torch_profiler_with_stack": False}
+    assert inv.env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] == "1"
+    assert {k: v for k, v in inv.config.items() if k != "profiler-config"} == plain.config
+    inv.config_path.parent.mkdir(parents=True)
+    inv.config_path.write_text(inv.config_yaml())
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(inv.argv[3:])
+    config = args.profiler_config
+    config = config if isinstance(config, ProfilerConfig) else ProfilerConfig(**config)
+    assert config.profiler == "torch" and config.torch_profiler_dir == str(traces)
+    assert config.torch_profiler_with_stack is False
