@@ -132,7 +132,6 @@ CASES = [
     pytest.param(130, 8, id="ctx130-q8"),
     pytest.param(1000, 1, id="ctx1000-q1"),
     pytest.param(1000, 8, id="ctx1000-q8"),
-    pytest.param(4200, 1, id="ctx4200-q1", marks=pytest.mark.slow),
     pytest.param(4200, 8, id="ctx4200-q8", marks=pytest.mark.slow),
 ]
 
