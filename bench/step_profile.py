@@ -43,8 +43,13 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+import httpx
+
+from core.errors import BenchError
 
 # The parts, in table order, with the row's label.
 PARTS: dict[str, str] = {
@@ -452,7 +457,8 @@ def wait_for_trace(trace_dir: Path, before: set[Path], timeout: float, poll: flo
                 return new[-1]
             last = (new[-1], size)
         time.sleep(poll)
-    raise TimeoutError(f"no new worker trace ({TRACE_GLOB}) in {trace_dir} after {timeout:.0f} s")
+    raise BenchError(f"no new worker trace ({TRACE_GLOB}) in {trace_dir} after {timeout:.0f} s "
+                     "(--trace-timeout; the server writes it under its TORCH_PROFILE_DIR)")
 
 
 def decode_streams(client: Any, model: str, concurrency: int, steps: int) -> list[int]:
@@ -472,3 +478,55 @@ def decode_streams(client: Any, model: str, concurrency: int, steps: int) -> lis
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         return list(pool.map(one, range(concurrency)))
+
+
+def _server_vllm_version(client: Any) -> str | None:
+    try:
+        response = client.get("/version")
+        return response.json().get("version") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def run_steps(client: Any, *, model: str, trace_dir: Path, concurrencies: Sequence[int], steps: int,
+              warmup_steps: int, trace_timeout: float, command: str, machine: dict[str, Any]) -> dict[str, Any]:
+    """Per concurrency: warm up, /start_profile, ``steps`` tokens per stream, /stop_profile, the
+    trace analysed (`analyse`). The document `markdown` and `qwen38 bench steps --out` write."""
+    points, traces = [], []
+    for concurrency in concurrencies:
+        decode_streams(client, model, concurrency, warmup_steps)
+        before = trace_files(trace_dir)
+        response = client.post("/start_profile", {})
+        if response.status_code != 200:
+            raise BenchError(
+                f"/start_profile answered {response.status_code}: serve with TORCH_PROFILE_DIR set "
+                "(vLLM adds the profiler's routes only then)"
+            )
+        tokens = decode_streams(client, model, concurrency, steps)
+        response = client.post("/stop_profile", {})
+        if response.status_code != 200:
+            raise BenchError(f"/stop_profile answered {response.status_code}: {response.text[:200]}")
+        path = wait_for_trace(trace_dir, before, trace_timeout)
+        print(f"concurrency {concurrency}: {sum(tokens)} tokens; trace {path} ({path.stat().st_size} bytes)")
+        trace = load_trace(path)
+        point = analyse(trace, concurrency)
+        point["trace"] = str(path)
+        point["completion_tokens"] = tokens
+        points.append(point)
+        traces.append(trace_versions(trace))
+    # vLLM stamps its version into the first trace of a server only: else its /version.
+    vllm_version = next((t["vllm"] for t in traces if t["vllm"]), None) or _server_vllm_version(client)
+    gpus = sorted({g for t in traces for g in t["gpus"] if g})
+    return {
+        "bench": "steps",
+        "command": command,
+        "model": model,
+        "steps": steps,
+        "versions": {
+            "vllm": vllm_version,
+            "torch": metadata.version("torch"),
+            "device": ", ".join(gpus) if gpus else f"CPU: {machine['cpu']} ({machine['cores']} cores)",
+        },
+        "machine": machine,
+        "points": points,
+    }

@@ -116,18 +116,9 @@ def _cmd_watchdog(args: argparse.Namespace) -> int:
     return 0
 
 
-def _server_vllm_version(client: StackClient) -> str | None:
-    try:
-        response = client.get("/version")
-        return response.json().get("version") if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
 def _cmd_steps(args: argparse.Namespace) -> int:
     import shlex
     import sys
-    from importlib import metadata
 
     from bench import step_profile  # deferred: `qwen38 bench --help` needs none of it
 
@@ -137,48 +128,13 @@ def _cmd_steps(args: argparse.Namespace) -> int:
     d = DEFAULT_TIMEOUT
     # /stop_profile answers once the trace is written: minutes for a CPU trace of many ops.
     timeout = httpx.Timeout(connect=d.connect, read=args.trace_timeout, write=d.write, pool=d.pool)
-    points = []
-    traces = []
     with StackClient(args.base_url, api_key(args), timeout=timeout) as client:
-        for concurrency in args.concurrency:
-            step_profile.decode_streams(client, args.model, concurrency, args.warmup_steps)
-            before = step_profile.trace_files(trace_dir)
-            response = client.post("/start_profile", {})
-            if response.status_code != 200:
-                raise BenchError(
-                    f"/start_profile answered {response.status_code}: serve with TORCH_PROFILE_DIR set "
-                    "(vLLM adds the profiler's routes only then)"
-                )
-            tokens = step_profile.decode_streams(client, args.model, concurrency, args.steps)
-            response = client.post("/stop_profile", {})
-            if response.status_code != 200:
-                raise BenchError(f"/stop_profile answered {response.status_code}: {response.text[:200]}")
-            path = step_profile.wait_for_trace(trace_dir, before, args.trace_timeout)
-            print(f"concurrency {concurrency}: {sum(tokens)} tokens; trace {path} ({path.stat().st_size} bytes)")
-            trace = step_profile.load_trace(path)
-            point = step_profile.analyse(trace, concurrency)
-            point["trace"] = str(path)
-            point["completion_tokens"] = tokens
-            points.append(point)
-            traces.append(step_profile.trace_versions(trace))
-        # vLLM stamps its version into the first trace of a server only: else its /version.
-        vllm_version = next((t["vllm"] for t in traces if t["vllm"]), None) or _server_vllm_version(client)
-    gpus = sorted({g for t in traces for g in t["gpus"] if g})
-    machine = client_machine(args.machine_note)
-    doc = {
-        "bench": "steps",
-        "command": "qwen38 " + shlex.join(sys.argv[1:]),
-        "base_url": args.base_url,
-        "model": args.model,
-        "steps": args.steps,
-        "versions": {
-            "vllm": vllm_version,
-            "torch": metadata.version("torch"),
-            "device": ", ".join(gpus) if gpus else f"CPU: {machine['cpu']} ({machine['cores']} cores)",
-        },
-        "machine": machine,
-        "points": points,
-    }
+        doc = step_profile.run_steps(
+            client, model=args.model, trace_dir=trace_dir, concurrencies=args.concurrency, steps=args.steps,
+            warmup_steps=args.warmup_steps, trace_timeout=args.trace_timeout,
+            command="qwen38 " + shlex.join(sys.argv[1:]), machine=client_machine(args.machine_note),
+        )
+    doc["base_url"] = args.base_url
     print(step_profile.markdown(doc))
     out = Path(args.out)
     _write_json(out, doc)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench import step_profile as sp
+from core.errors import BenchError
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "step_profile_cpu.json.gz"
 
@@ -162,5 +163,5 @@ def test_a_new_worker_trace_is_waited_for_and_the_frontend_one_ignored(tmp_path)
     new = tmp_path / "123-rank-0.456.pt.trace.json.gz"
     new.write_bytes(b"{}")
     assert sp.wait_for_trace(tmp_path, before, timeout=5, poll=0.05) == new
-    with pytest.raises(TimeoutError):
+    with pytest.raises(BenchError, match="no new worker trace .* after 0 s \\(--trace-timeout"):
         sp.wait_for_trace(tmp_path, {new}, timeout=0.2, poll=0.05)
