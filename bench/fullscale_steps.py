@@ -45,7 +45,7 @@ from core.settings import Settings
 from entrypoint.keys import init_key_file
 from entrypoint.lifecycle import process_alive, process_session
 from entrypoint.patches import find_vllm_dir
-from entrypoint.resolve import lookup_tokens, speculation_method
+from entrypoint.resolve import resolve_speculative
 from entrypoint.run_files import status_path
 from prepare.generate import BLOCK_BYTES, draw_block, generate
 from prepare.synthetic import TINY_PRESET, Recipe, StoredTensor, preset, stored_bytes, variant_tensors
@@ -839,16 +839,13 @@ def _bench_doc(path: Path) -> dict[str, Any] | None:
 
 
 def drafted_per_step(profile: Profile, settings: dict[str, str]) -> tuple[str | None, int]:
-    """(method, tokens a verify step checks past the first) for ``profile`` served with
-    ``settings``: the chosen method's depth (MTP_DEPTH for mtp), plus lookup's in reproduction
-    mode; (None, 0) without speculation."""
-    spec = profile.speculative
-    method = speculation_method(profile, Settings._speculation_choice(settings.get("SPECULATION")))
-    if method is None or spec is None:
-        return None, 0
-    if method == "mtp":
-        return method, int(settings.get("MTP_DEPTH") or spec.depth("mtp"))
-    return method, spec.num_speculative_tokens + lookup_tokens(spec, None, None)
+    """(method, tokens a verify step checks past the first) for ``profile`` served with the copy's
+    ``settings`` (SPECULATION, MTP_DEPTH), as `qwen38 serve` resolves them; (None, 0) without
+    speculation."""
+    chosen = Settings(_env_file=None, speculation=settings.get("SPECULATION"), mtp_depth=settings.get("MTP_DEPTH"),
+                      lookup=None, verify_block=None)
+    spec = resolve_speculative(profile, chosen, Path("."))
+    return (spec.method, spec.num_speculative_tokens) if spec is not None else (None, 0)
 
 
 def check_workloads(workloads: tuple[str, ...] | None) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from core.errors import SettingsError
 from core.profiles import MAX_VERIFY_BLOCK, Profile, Speculative
-from core.settings import Settings
+from core.settings import SPECULATION_METHODS, Settings
 from entrypoint.resolved_engine import ResolvedEngine, ResolvedLora, ResolvedParallel, ResolvedSpeculative
 from entrypoint.toolchain import Runner, run_command
 from entrypoint.topology import LinkReading, TopologyError, read_link
@@ -86,12 +86,46 @@ def reads_drafter(profile: Profile, choice: bool | str | None) -> bool:
     return _drafts_with_drafter(profile, speculation_method(profile, choice))
 
 
+def unread_drafter(profile: Profile, choice: bool | str | None) -> str | None:
+    """Why the engine will not read ``profile``'s drafter with SPECULATION ``choice``, and what
+    would prepare it; None: prepare it (the engine reads it, or there is none to download).
+
+    A generated (tiny) drafter is never skipped: one generator run writes every tiny model."""
+    drafter = profile.models.drafter
+    if drafter is None or drafter.generated is not None or reads_drafter(profile, choice):
+        return None
+    method = speculation_method(profile, choice)
+    if choice is None:
+        said = f"profile {profile.name} by default"  # its own speculative section decides
+    else:
+        said = "SPECULATION=" + ("true" if choice is True else "off" if choice is False else str(choice))
+    if method == "mtp":
+        why = f"{said} serves the target's own MTP head"
+    elif method is not None:
+        why = f"{said} drafts with {method}, which does not read it"
+    else:
+        why = f"{said} serves without speculative decoding"
+    # Only the settings that do read it, tried against the same decision.
+    ways = []
+    own = profile.speculative.method if profile.speculative is not None else None
+    if own in SPECULATION_METHODS and reads_drafter(profile, own):
+        ways.append(f"set SPECULATION={own}")
+    elif reads_drafter(profile, True):
+        ways.append("set SPECULATION=true")
+    if choice is not None and reads_drafter(profile, None):
+        ways.append("unset SPECULATION")
+    return f"{why}; {' or '.join(ways)} to prepare it" if ways else why
+
+
 def _drafts_with_drafter(profile: Profile, method: str | None) -> bool:
     spec, drafter = profile.speculative, profile.models.drafter
     return method is not None and method == spec.method and spec.uses_drafter and drafter is not None
 
 
-def _speculative(profile: Profile, settings: Settings, models_dir: Path) -> ResolvedSpeculative | None:
+def resolve_speculative(profile: Profile, settings: Settings, models_dir: Path) -> ResolvedSpeculative | None:
+    """The speculation ``profile`` serves with ``settings`` (None: off): the method SPECULATION
+    picks, its depth (MTP_DEPTH for mtp) and lookup positions; one `SettingsError` line for a
+    combination it cannot serve."""
     method = speculation_method(profile, settings.speculation)
     if method != "dflash" and (settings.lookup or settings.verify_block is not None):
         knob = "LOOKUP=true" if settings.lookup else f"VERIFY_BLOCK={settings.verify_block}"
@@ -243,7 +277,7 @@ def resolve(
     GPUs, GPU_LINK=auto): the edge's reader, `resolve_on_this_host`."""
     engine = profile.engine
     models_dir = Path(settings.models_dir)
-    speculative = _speculative(profile, settings, models_dir)
+    speculative = resolve_speculative(profile, settings, models_dir)
     prefix_caching = settings.prefix_caching if settings.prefix_caching is not None else engine.enable_prefix_caching
     if profile.platform == "cpu" and speculative is not None and prefix_caching:
         raise SettingsError(

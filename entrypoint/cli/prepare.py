@@ -60,11 +60,12 @@ def _cmd_prepare_profile(args: argparse.Namespace) -> int:
     # A whole profile: its file, the settings and the pipeline, which a named step never needs.
     from core import profiles
     from core.settings import load_settings  # (pydantic-settings: not at the parser's start)
+    from entrypoint.resolve import unread_drafter  # (the resolver: only for a whole profile)
     from prepare.pipeline import HubAccess, prepare_profile  # (every step's code: only for a whole profile)
 
     settings = load_settings(profile=args.profile)
     profile = profiles.load_profile(settings.profile, settings.profiles_dir)
-    skipped = _unread_drafter(profile, settings.speculation)
+    skipped = unread_drafter(profile, settings.speculation)
     if skipped is not None:
         say(f"qwen38: prepare: drafter skipped: {skipped}")
     hub = HubAccess(
@@ -85,40 +86,6 @@ def _cmd_prepare_profile(args: argparse.Namespace) -> int:
     for step in done:
         say(f"prepared {step.describe()}")
     return 0
-
-
-def _unread_drafter(profile, choice: bool | str | None) -> str | None:
-    """Why the engine will not read ``profile``'s drafter with SPECULATION ``choice``, and what
-    would prepare it; None: prepare it (the engine reads it, or there is none to download).
-
-    A generated (tiny) drafter is never skipped: one generator run writes every tiny model."""
-    from core.settings import SPECULATION_METHODS  # (pydantic-settings: not at the parser's start)
-    from entrypoint.resolve import reads_drafter, speculation_method  # (what SPECULATION reads)
-
-    drafter = profile.models.drafter
-    if drafter is None or drafter.generated is not None or reads_drafter(profile, choice):
-        return None
-    method = speculation_method(profile, choice)
-    if choice is None:
-        said = f"profile {profile.name} by default"  # its own speculative section decides
-    else:
-        said = "SPECULATION=" + ("true" if choice is True else "off" if choice is False else str(choice))
-    if method == "mtp":
-        why = f"{said} serves the target's own MTP head"
-    elif method is not None:
-        why = f"{said} drafts with {method}, which does not read it"
-    else:
-        why = f"{said} serves without speculative decoding"
-    # Only the settings that do read it, tried against the same decision.
-    ways = []
-    own = profile.speculative.method if profile.speculative is not None else None
-    if own in SPECULATION_METHODS and reads_drafter(profile, own):
-        ways.append(f"set SPECULATION={own}")
-    elif reads_drafter(profile, True):
-        ways.append("set SPECULATION=true")
-    if choice is not None and reads_drafter(profile, None):
-        ways.append("unset SPECULATION")
-    return f"{why}; {' or '.join(ways)} to prepare it" if ways else why
 
 
 def _leaving_proofs(command):
