@@ -372,5 +372,35 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                 lines.append(f"| {name} | {r['concurrency']} | {r['output_tok_s'] or 0:,.0f} | "
                              f"{r['decode_tok_s_per_stream_p50']:.1f} | {r['step_ms']:.1f} ({r['tokens_per_step']:.2f}) | "
                              f"{ttft} | {r['preemptions'] if r['preemptions'] is not None else '-'} |")
+    steps = {name: row["steps"] for name, row in summary.get("profiles", {}).items() if row.get("steps")}
+    if steps:
+        lines += ["", *step_parts_markdown(steps)]
     lines.append("")
     return "\n".join(lines)
+
+
+def step_parts(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """A `qwen38 bench steps` document -> per concurrency the mean steady step and its parts in
+    ms (the rows sum to the step; docs/step-profile.md says what each part holds)."""
+    return [{"concurrency": p["concurrency"], "kind": p["kind"], "steps": p["steps"],
+             "step_ms": p["step_us"] / 1000, "tokens_verified_per_step": p["tokens_verified_per_step"],
+             "rows": [{"part": r["part"], "label": r["label"], "ms": r["us_per_step"] / 1000, "share": r["share"]}
+                      for r in p["rows"]]}
+            for p in doc["points"]]  # fmt: skip
+
+
+def step_parts_markdown(steps: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """One table: a row per part, a column per (copy, concurrency), ms per steady step."""
+    columns = [(name, point) for name, points in steps.items() for point in points]
+    labels: dict[str, str] = {}
+    for _, point in columns:
+        for row in point["rows"]:
+            labels.setdefault(row["part"], row["label"])
+    by_part = [{row["part"]: row["ms"] for row in point["rows"]} for _, point in columns]
+    lines = ["| ms per steady step | " + " | ".join(f"{name} C{p['concurrency']}" for name, p in columns) + " |",
+             "|---|" + "---:|" * len(columns)]
+    for part, label in labels.items():
+        lines.append(f"| {label} | " + " | ".join("-" if part not in c else f"{c[part]:.3f}" for c in by_part) + " |")
+    lines.append("| **step** (tokens verified) | " + " | ".join(
+        f"**{p['step_ms']:.3f}** ({p['tokens_verified_per_step']:g})" for _, p in columns) + " |")
+    return lines

@@ -85,6 +85,9 @@ class Served:
     settings: tuple[tuple[str, str], ...] = ()
     # The profile's [env] entries this copy leaves out (e.g. VLLM_MARLIN_INPUT_DTYPE: W4A8 off).
     drop_env: tuple[str, ...] = ()
+    # Served with TORCH_PROFILE_DIR (vLLM's profiler routes and record_function scopes): the
+    # `steps` workload's trace (`qwen38 bench steps`, docs/step-profile.md) needs it.
+    profiled: bool = False
 
 
 MARLIN_AS_ON_THE_3090 = (("VLLM_DISABLED_KERNELS", "MacheteLinearKernel"),)
@@ -120,12 +123,18 @@ SERVED: dict[str, Served] = {
     # Many users (issue 55): `single` with the target's own MTP head instead of the drafter,
     # `batch` (64 slots, fp8 KV, W4A8) and `batch` with W4A16 activations as before; with
     # `--workloads users` beside `single-full` and `single-nospec-full`, the methods at C1/C8/C64.
-    "single-mtp-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),)),
+    # Profiled (issue 57): each method's step by part at C1 and C8 after its users table; the
+    # profiler is idle while `users` runs (only vLLM's record_function scopes are on).
+    "single-mtp-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
+                              workloads=("users", "steps"), profiled=True),
+    "single-steps-full": Served("single", HEADLESS_3090_BYTES, workloads=("users", "steps"), profiled=True),
+    "single-nospec-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False,
+                                       workloads=("users", "steps"), profiled=True),
     # Both on Marlin, as on the 3090: Hopper would serve W4A16 with Machete, which takes no int8
     # activations (the 2026-12-07 lease measured the switch doing nothing there).
-    "batch-full": Served("batch", HEADLESS_3090_BYTES, env=MARLIN_AS_ON_THE_3090),
+    "batch-full": Served("batch", HEADLESS_3090_BYTES, env=MARLIN_AS_ON_THE_3090, workloads=("users",)),
     "batch-w4a16-full": Served("batch", HEADLESS_3090_BYTES, env=MARLIN_AS_ON_THE_3090,
-                               drop_env=("VLLM_MARLIN_INPUT_DTYPE",)),
+                               drop_env=("VLLM_MARLIN_INPUT_DTYPE",), workloads=("users",)),
 }
 # The artifacts the 3090 profiles serve (`single`, `long`): what `generate` writes when no
 # `spark-lora` copy is served.
@@ -168,18 +177,21 @@ MEASURE_SIZES: dict[str, dict[str, Workload]] = {
              "c8": Workload("c8", ("--requests", "32")),
              "prefill": Workload("depth", DEEP, PREFILL_TOKENS, 16),
              "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 128, clamp=True),
-             "users": Workload("users", ("--concurrency", "1,8,32,64"))},
+             "users": Workload("users", ("--concurrency", "1,8,32,64")),
+             "steps": Workload("steps", ("--concurrency", "1,8", "--steps", "32"))},
     "quick": {"c1": Workload("c1", ("--requests", "2", "--output-tokens", "256")),
               "c8": Workload("c8", ("--requests", "16")),
               "prefill": Workload("depth", DEEP, PREFILL_TOKENS, 16),
               "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 48, clamp=True),
-              "users": Workload("users", ("--concurrency", "1,8,64", "--rounds", "1"))},
+              "users": Workload("users", ("--concurrency", "1,8,64", "--rounds", "1")),
+              "steps": Workload("steps", ("--concurrency", "1,8", "--steps", "32"))},
     "tiny": {"c1": Workload("c1", ("--requests", "1", "--input-tokens", "64", "--output-tokens", "24")),
              "c8": Workload("c8", ("--requests", "8", "--input-tokens", "64", "--output-tokens", "16")),
              "prefill": Workload("depth", (), (128, 512), 8),
              "verify": Workload("depth", (), (1024, 40_000), 16),
              "users": Workload("users", ("--concurrency", "1,4", "--rounds", "1", "--system-tokens", "64",
-                                         "--prompt-tokens", "32", "--output-tokens", "16"))},
+                                         "--prompt-tokens", "32", "--output-tokens", "16")),
+             "steps": Workload("steps", ("--concurrency", "1", "--steps", "4", "--warmup-steps", "2"))},
 }
 
 
@@ -644,10 +656,12 @@ def _snapshot_code(root: Path) -> Path:
     return repo
 
 
-def _serve_env(root: Path, api_key_file: Path, code: Path | None = None, copy: Served | None = None) -> dict[str, str]:
+def _serve_env(root: Path, api_key_file: Path, code: Path | None = None, copy: Served | None = None,
+               profile: str | None = None) -> dict[str, str]:
     """The environment of `qwen38 serve` and `qwen38 plan` for the served copies: none of the
     caller's stack settings, the run's directories, no watchdog canary (its requests would
-    land in the benchmarks' windows and counters), and the copy's own settings (`Served.settings`)."""
+    land in the benchmarks' windows and counters), the copy's own settings (`Served.settings`),
+    and for a profiled copy (named ``profile``) its trace directory as TORCH_PROFILE_DIR."""
 
     knobs = {name.upper() for name in Settings.model_fields}
     env = {k: v for k, v in os.environ.items() if k.upper() not in knobs}
@@ -658,7 +672,14 @@ def _serve_env(root: Path, api_key_file: Path, code: Path | None = None, copy: S
         env["PYTHONPATH"] = os.pathsep.join([str(code), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
     if copy is not None:
         env.update(copy.settings)
+        if copy.profiled and profile is not None:
+            env["TORCH_PROFILE_DIR"] = str(trace_dir(root, profile))
     return env
+
+
+def trace_dir(root: Path, profile: str) -> Path:
+    """Where a profiled copy's vLLM writes its torch-profiler traces (its TORCH_PROFILE_DIR)."""
+    return root / "traces" / profile
 
 
 def _key_file(root: Path) -> Path:
@@ -711,8 +732,12 @@ def step_start(root: Path, profile: str, port: int, copy: Served | None = None) 
     logs = root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     code = _snapshot_code(root)
-    env = _serve_env(root, _key_file(root), code, copy or SERVED.get(profile))
+    copy = copy or SERVED.get(profile)
+    env = _serve_env(root, _key_file(root), code, copy, profile)
     env["PORT"] = str(port)
+    if "TORCH_PROFILE_DIR" in env:  # a fresh directory: no trace of an earlier start is taken for this one's
+        shutil.rmtree(env["TORCH_PROFILE_DIR"], ignore_errors=True)
+        Path(env["TORCH_PROFILE_DIR"]).mkdir(parents=True)
     status_path(root / "cache", profile).unlink(missing_ok=True)
     for stale in ("ready", "failed", "measure", "stop"):
         (root / RESULTS / f"{profile}.{stale}.json").unlink(missing_ok=True)
@@ -856,6 +881,19 @@ def check_workloads(workloads: tuple[str, ...] | None) -> None:
                          f"{', '.join(MEASURE_SIZES['quick'])}")
 
 
+def workload_argv(root: Path, profile: str, copy: Served | None, name: str, max_model_len: int,
+                  sizes: str = "quick") -> list[str] | str:
+    """The flags of workload ``name`` for the served copy, or why it is not run on this copy."""
+    extra = MEASURE_SIZES[sizes][name].argv(max_model_len)
+    if extra is None:
+        return f"no depth fits max_model_len {max_model_len}"
+    if name == "steps":
+        if copy is None or not copy.profiled:
+            return "served without TORCH_PROFILE_DIR (Served.profiled)"
+        extra = [*extra, "--trace-dir", str(trace_dir(root, profile))]
+    return extra
+
+
 def step_measure(root: Path, profile: str, sizes: str = "quick", workloads: tuple[str, ...] | None = None,
                  copy: Served | None = None) -> dict[str, Any]:
     """Benchmarks through the served API, then the footprint from the log and the sampler.
@@ -879,9 +917,9 @@ def step_measure(root: Path, profile: str, sizes: str = "quick", workloads: tupl
     for name, workload in MEASURE_SIZES[sizes].items():
         if chosen is not None and name not in chosen:
             continue
-        extra = workload.argv(served.engine.max_model_len)
-        if extra is None:
-            result["bench"][name] = {"skipped": f"no depth fits max_model_len {served.engine.max_model_len}"}
+        extra = workload_argv(root, profile, copy, name, served.engine.max_model_len, sizes)
+        if isinstance(extra, str):
+            result["bench"][name] = {"skipped": extra}
             continue
         out = root / RESULTS / f"{profile}.{name}.json"
         done = _cli("bench", workload.bench, "--base-url", base, "--model", served.served.base, "--api-key-file",
@@ -897,6 +935,8 @@ def step_measure(root: Path, profile: str, sizes: str = "quick", workloads: tupl
             result["verify"] = figures.depth_decode_figures(doc, k)
         elif doc and name == "users":
             result["users"] = figures.users_figures(doc, k, served.engine.max_num_seqs, project)
+        elif doc and name == "steps":
+            result["steps"] = figures.step_parts(doc)
         _write(root, f"{profile}.measure", result)
     planned: dict[str, Any] = {}
     plan = _cli("plan", "--profile", profile, "--json", env=_serve_env(root, key, copy=copy))
@@ -1025,7 +1065,7 @@ def summarize(results: dict[str, dict[str, Any]], served: dict[str, Served] | No
             row["peak"] = failed.get("peak")
         if measure:
             for key in ("pool", "peak", "cap_held", "margin_bytes", "budget_bytes", "headless_3090", "footprint",
-                        "decode", "prefill", "verify", "users", "others_alive", "measured_alone",
+                        "decode", "prefill", "verify", "users", "steps", "others_alive", "measured_alone",
                         "gpu_neighbours_while_measured", "gpu_neighbours_while_starting"):
                 if key in measure:
                     row[key] = measure[key]

@@ -100,3 +100,22 @@ def test_a_copy_served_with_mtp_measures_users_at_each_concurrency_with_its_dept
     log = (root / "logs" / "cpu-mtp-full.log").read_text(errors="replace")
     assert "Qwen3_5MTP" in log or '"method": "mtp"' in log or "'method': 'mtp'" in log, log[-3000:]
     assert "| cpu-mtp-full | 4 |" in (out / "fullscale.md").read_text()
+
+
+def test_a_profiled_copy_measures_its_step_by_part_into_the_report(tmp_path):
+    """Issue 57's lease rehearsed: a copy served with its own TORCH_PROFILE_DIR, `qwen38 bench
+    steps` run by the full-scale runner against it, the step's parts in the report's table."""
+    root, out = tmp_path / "run", tmp_path / "out"
+    served = {"cpu-steps-full": fs.Served("cpu", None, speculation=False, profiled=True, workloads=("steps",))}
+    result = run(root, budget_s=900, size="tiny", sizes="tiny", served=served, total_bytes=24 << 30,
+                 skip_prep=NOT_ON_CPU, base_port=free_port(), out=out)
+    failed = fs.read_result(root, "cpu-steps-full.failed")
+    assert result["done"] is True and failed is None, json.dumps(failed, indent=1)[-3000:]
+    measure = fs.read_result(root, "cpu-steps-full.measure")
+    assert measure["bench"]["steps"]["exit"] == 0, measure["bench"]["steps"]["tail"]
+    [point] = measure["steps"]
+    assert point["concurrency"] == 1 and point["kind"] == "cpu" and point["tokens_verified_per_step"] == 1
+    assert sum(r["ms"] for r in point["rows"]) == pytest.approx(point["step_ms"], abs=1e-3)
+    assert any(fs.trace_dir(root, "cpu-steps-full").glob("*rank-0*.pt.trace.json*"))
+    text = (out / "fullscale.md").read_text()
+    assert "| ms per steady step | cpu-steps-full C1 |" in text and "| **step** (tokens verified) |" in text

@@ -451,12 +451,58 @@ def test_a_workload_no_size_has_is_refused_before_anything_runs(tmp_path):
 
     for call in (lambda w: fs.step_measure(tmp_path, "single-full", "quick", w),
                  lambda w: run(tmp_path, budget_s=10, workloads=w)):
-        with pytest.raises(BenchError, match="--workloads c64: expected a comma list of c1, c8, prefill, verify, users"):
+        with pytest.raises(BenchError,
+                           match="--workloads c64: expected a comma list of c1, c8, prefill, verify, users, steps"):
             call(("users", "c64"))
     assert not (tmp_path / fs.RESULTS).exists()  # nothing was prepared, started or written
     with pytest.raises(BenchError, match="not ready"):
         fs.step_measure(tmp_path, "single-full", "quick", ("users",))
     assert set(fs.MEASURE_SIZES["quick"]) == set(fs.MEASURE_SIZES["full"]) == set(fs.MEASURE_SIZES["tiny"])
+
+
+# ---- the step by part (issue 57): profiled copies, `qwen38 bench steps` in the run ---------------
+
+
+def test_a_profiled_copy_serves_with_its_own_trace_directory_and_others_without_one(tmp_path):
+    key = tmp_path / "key"
+    key.write_text("k")
+    env = fs._serve_env(tmp_path, key, copy=fs.SERVED["single-steps-full"], profile="single-steps-full")
+    assert env["TORCH_PROFILE_DIR"] == str(fs.trace_dir(tmp_path, "single-steps-full"))
+    assert "TORCH_PROFILE_DIR" not in fs._serve_env(tmp_path, key, copy=fs.SERVED["single-full"], profile="single-full")
+    # `qwen38 plan` (no profile name) gets no trace directory: the planner never profiles.
+    assert "TORCH_PROFILE_DIR" not in fs._serve_env(tmp_path, key, copy=fs.SERVED["single-steps-full"])
+    # The profiled copies are `single` as served, differing only in the method.
+    profiles = fs.profile_set(150_000_000_000)
+    assert profiles["single-steps-full"] == profiles["single-full"]
+    assert profiles["single-nospec-steps-full"] == profiles["single-nospec-full"]
+    assert [n for n, s in fs.SERVED.items() if "steps" in (s.workloads or ())] == [
+        n for n, s in fs.SERVED.items() if s.profiled]
+
+
+def test_a_steps_document_becomes_parts_that_sum_to_the_step_and_one_table():
+    doc = _doc("cpu-step-profile.json")  # a real `qwen38 bench steps` document
+    points = figures.step_parts(doc)
+    assert [p["concurrency"] for p in points] == [p["concurrency"] for p in doc["points"]]
+    for point, raw in zip(points, doc["points"]):
+        assert sum(r["ms"] for r in point["rows"]) == pytest.approx(point["step_ms"], abs=1e-4)
+        assert point["step_ms"] == raw["step_us"] / 1000 and point["kind"] == "cpu"
+    text = figures.summary_markdown({"profiles": {"a-full": {"steps": points}, "b-full": {"steps": points[:1]}}})
+    header = next(line for line in text.splitlines() if line.startswith("| ms per steady step"))
+    assert header.count("| a-full C") == len(points) and "| b-full C1 |" in header
+    gdn = next(line for line in text.splitlines() if line.startswith("| GDN: causal conv update |"))
+    assert gdn.count("|") == 2 + len(points) + 1
+
+
+def test_steps_on_a_copy_served_without_the_profiler_is_skipped_with_the_reason(tmp_path):
+    """An unprofiled copy's `steps` is recorded as skipped, never sent (its server would answer
+    404 to /start_profile); a profiled one reads the trace directory its server writes to."""
+    for name in ("single-full", "single-nospec-full", "batch-full"):
+        assert fs.workload_argv(tmp_path, name, fs.SERVED[name], "steps", 65_536) == (
+            "served without TORCH_PROFILE_DIR (Served.profiled)")
+    argv = fs.workload_argv(tmp_path, "single-steps-full", fs.SERVED["single-steps-full"], "steps", 65_536)
+    assert argv[:4] == ["--concurrency", "1,8", "--steps", "32"]
+    assert argv[argv.index("--trace-dir") + 1] == str(fs.trace_dir(tmp_path, "single-steps-full"))
+    assert fs.workload_argv(tmp_path, "x", None, "verify", 1_000) == "no depth fits max_model_len 1000"
 
 
 def test_the_roofline_row_follows_the_method_the_copy_served_with():
