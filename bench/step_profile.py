@@ -320,9 +320,10 @@ def cuda_step_parts(kernels: Sequence[tuple[float, float, str]], window: tuple[f
             parts["device_idle"] += start - cursor
         parts[part] += end - start
         cursor = end
-    last_end = min(max(end for _, end, _ in ordered), hi)
-    # Idle before the step's last kernel ended: inside the step; after it: waiting on the host.
-    parts["host_between"] += max(0.0, hi - max(cursor, last_end))
+    # Idle before the step's last kernel ended: inside the step; after it: waiting on the host. A
+    # kernel the step launched that starts only after the next step's first (another stream: seen
+    # on the H100 trace of 2026-12-07) is past the window and counts nowhere, its wait neither.
+    parts["host_between"] += max(0.0, hi - cursor)
     return parts
 
 
@@ -336,6 +337,7 @@ def analyse(trace: dict[str, Any], concurrency: int) -> dict[str, Any]:
     device = [e for e in events if e.get("cat") in DEVICE_CATS]
     per_step: list[dict[str, float]] = []
     windows: list[float] = []
+    counted: list[dict[str, int]] = []  # CUDA: what the host launched in each step (the fixed costs' count)
     if device:
         kind = "cuda"
         launches = _launches(roots)
@@ -360,6 +362,7 @@ def analyse(trace: dict[str, Any], concurrency: int) -> dict[str, Any]:
             window = (firsts[i], nxt)
             per_step.append(cuda_step_parts(ks, window))
             windows.append(window[1] - window[0])
+            counted.append(_launch_counts(host, chosen[i], len(ks)))
     else:
         kind = "cpu"
         for step in chosen:
@@ -392,7 +395,24 @@ def analyse(trace: dict[str, Any], concurrency: int) -> dict[str, Any]:
         "rows": rows,
         "device_events": len(device),
         "host_events": len(host),
+        # Per steady step (CUDA traces): device events run, and the host's launch calls by kind.
+        "launches_per_step": {k: round(sum(c[k] for c in counted) / len(counted), 2) for k in LAUNCHES} if counted
+        else None,
     }
+
+
+# The host calls that put work on the device: each eager kernel is one launch, a CUDA graph one
+# launch for all of its kernels; memcpy / memset calls are launches too.
+LAUNCHES = {"device_events": (), "cudaGraphLaunch": ("cudaGraphLaunch",),
+            "kernel_launches": ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"),
+            "memcpy_memset": ("cudaMemcpyAsync", "cudaMemsetAsync", "cudaMemcpy", "cudaMemset")}
+
+
+def _launch_counts(host: Sequence[dict[str, Any]], step: Step, device_events: int) -> dict[str, int]:
+    names = [e["name"] for e in host if e.get("cat") in ("cuda_runtime", "cuda_driver") and step.start <= e["ts"] < step.end]
+    out = {kind: sum(n in calls for n in names) for kind, calls in LAUNCHES.items()}
+    out["device_events"] = device_events
+    return out
 
 
 def trace_versions(trace: dict[str, Any]) -> dict[str, Any]:
@@ -409,7 +429,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "# Step profile",
         "",
         f"- command: `{doc['command']}`",
-        f"- vLLM {v.get('vllm')}, torch {v.get('torch')}, device: {v.get('device')}",
+        f"- vLLM {v.get('vllm')}, torch {v.get('torch') or '(not in the trace)'}, device: {v.get('device')}",
         f"- trace kind: {', '.join(sorted({p['kind'] for p in doc['points']}))} "
         "(cpu: CPU ops of the engine thread; cuda: GPU kernels)",
         "",
@@ -427,20 +447,28 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(f"| {row['label']} | {row['us_per_step'] / 1000:.3f} | {100 * row['share']:.1f} % |")
         lines += [f"| **sum of parts** | **{point['parts_sum_us'] / 1000:.3f}** | "
                   f"**{100 * point['parts_sum_us'] / point['step_us']:.1f} %** |", ""]  # fmt: skip
+        launches = point.get("launches_per_step")
+        if launches:
+            lines += [f"Per step: {launches['device_events']:g} device events (kernels, copies, memsets) from "
+                      f"{launches['cudaGraphLaunch']:g} CUDA-graph launches, {launches['kernel_launches']:g} eager "
+                      f"kernel launches and {launches['memcpy_memset']:g} memcpy / memset calls.", ""]
     lines += ["Rules: docs/step-profile.md.", ""]
     return "\n".join(lines)
 
 
 # ---- recording against a running server (HTTP; the command's) ---------------------------------
 
-TRACE_GLOB = "*rank-0*.pt.trace.json*"
+# vLLM names a worker's trace `{worker}.{ns}.pt.trace.json.gz`: the CPU worker `{instance}-rank-0`,
+# the GPU worker `dp0_pp0_tp0_dcp0_ep0_rank0` (or `rank0` before its groups exist: the H100 of
+# 2026-12-07). The API server's `*.async_llm.*` and a graph capture's `graph_capture_rank_0` are not it.
+TRACE_GLOBS = ("*-rank-0.*.pt.trace.json*", "*rank0.*.pt.trace.json*")
 PROMPT = "Write a long story about a lighthouse keeper who counts the ships that pass at night."
 
 
 def trace_files(trace_dir: Path) -> set[Path]:
     """The worker traces (rank 0) in vLLM's profiler directory; the API server's own
     (``*.async_llm.*``) hold no steps."""
-    return set(trace_dir.glob(TRACE_GLOB))
+    return {path for pattern in TRACE_GLOBS for path in trace_dir.glob(pattern)}
 
 
 def wait_for_trace(trace_dir: Path, before: set[Path], timeout: float, poll: float = 1.0) -> Path:
@@ -457,7 +485,7 @@ def wait_for_trace(trace_dir: Path, before: set[Path], timeout: float, poll: flo
                 return new[-1]
             last = (new[-1], size)
         time.sleep(poll)
-    raise BenchError(f"no new worker trace ({TRACE_GLOB}) in {trace_dir} after {timeout:.0f} s "
+    raise BenchError(f"no new worker trace ({' or '.join(TRACE_GLOBS)}) in {trace_dir} after {timeout:.0f} s "
                      "(--trace-timeout; the server writes it under its TORCH_PROFILE_DIR)")
 
 
@@ -516,6 +544,35 @@ def run_steps(client: Any, *, model: str, trace_dir: Path, concurrencies: Sequen
         traces.append(trace_versions(trace))
     # vLLM stamps its version into the first trace of a server only: else its /version.
     vllm_version = next((t["vllm"] for t in traces if t["vllm"]), None) or _server_vllm_version(client)
+    return _document(command, model, steps, points, traces, machine, vllm_version, metadata.version("torch"))
+
+
+def from_traces(paths: Sequence[Path], concurrencies: Sequence[int], *, command: str,
+                machine: dict[str, Any]) -> dict[str, Any]:
+    """The same document from traces recorded elsewhere (brought back from a lease), the i-th
+    trace read at the i-th concurrency. The torch version is not in a trace: None."""
+    if len(paths) != len(concurrencies):
+        raise BenchError(f"{len(paths)} traces for {len(concurrencies)} concurrencies "
+                         "(--concurrency names each trace's, in order)")
+    points, traces = [], []
+    for path, concurrency in zip(paths, concurrencies):
+        if not path.is_file():
+            raise BenchError(f"--from-trace {path}: no such file")
+        trace = load_trace(path)
+        try:
+            point = analyse(trace, concurrency)
+        except ValueError as exc:
+            raise BenchError(f"--from-trace {path}: {exc}") from None
+        point["trace"] = str(path)
+        points.append(point)
+        traces.append(trace_versions(trace))
+    vllm_version = next((t["vllm"] for t in traces if t["vllm"]), None)
+    return _document(command, None, None, points, traces, machine, vllm_version, None)
+
+
+def _document(command: str, model: str | None, steps: int | None, points: list[dict[str, Any]],
+              traces: list[dict[str, Any]], machine: dict[str, Any], vllm_version: str | None,
+              torch_version: str | None) -> dict[str, Any]:
     gpus = sorted({g for t in traces for g in t["gpus"] if g})
     return {
         "bench": "steps",
@@ -524,7 +581,7 @@ def run_steps(client: Any, *, model: str, trace_dir: Path, concurrencies: Sequen
         "steps": steps,
         "versions": {
             "vllm": vllm_version,
-            "torch": metadata.version("torch"),
+            "torch": torch_version,
             "device": ", ".join(gpus) if gpus else f"CPU: {machine['cpu']} ({machine['cores']} cores)",
         },
         "machine": machine,

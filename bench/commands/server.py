@@ -122,6 +122,15 @@ def _cmd_steps(args: argparse.Namespace) -> int:
 
     from bench import step_profile  # deferred: `qwen38 bench --help` needs none of it
 
+    command = "qwen38 " + shlex.join(sys.argv[1:])
+    if args.from_trace:
+        doc = step_profile.from_traces([Path(p) for p in args.from_trace], args.concurrency, command=command,
+                                       machine=client_machine(args.machine_note))
+        return _write_steps(doc, Path(args.out))
+    missing = [flag for flag, value in (("--base-url", args.base_url), ("--model", args.model),
+                                        ("--trace-dir", args.trace_dir)) if not value]
+    if missing:
+        raise BenchError(f"bench steps: {', '.join(missing)} needed against a server (or --from-trace FILE)")
     trace_dir = Path(args.trace_dir)
     if not trace_dir.is_dir():
         raise BenchError(f"--trace-dir {trace_dir}: no such directory (the server's TORCH_PROFILE_DIR)")
@@ -132,11 +141,16 @@ def _cmd_steps(args: argparse.Namespace) -> int:
         doc = step_profile.run_steps(
             client, model=args.model, trace_dir=trace_dir, concurrencies=args.concurrency, steps=args.steps,
             warmup_steps=args.warmup_steps, trace_timeout=args.trace_timeout,
-            command="qwen38 " + shlex.join(sys.argv[1:]), machine=client_machine(args.machine_note),
+            command=command, machine=client_machine(args.machine_note),
         )
     doc["base_url"] = args.base_url
+    return _write_steps(doc, Path(args.out))
+
+
+def _write_steps(doc: dict, out: Path) -> int:
+    from bench import step_profile
+
     print(step_profile.markdown(doc))
-    out = Path(args.out)
     _write_json(out, doc)
     md = out.with_suffix(".md")
     md.write_text(step_profile.markdown(doc))
@@ -245,11 +259,14 @@ def register_steps(subparsers: argparse._SubParsersAction) -> None:
         "of the step's time by part (GEMMs, GDN kernels, attention, drafter, sampling, lm_head, host) as JSON "
         "and markdown (docs/step-profile.md).",
     )
-    parser.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:18020")
-    parser.add_argument("--model", required=True, help="model id to decode with (one of /v1/models)")
+    parser.add_argument("--base-url", help="server URL, e.g. http://127.0.0.1:18020")
+    parser.add_argument("--model", help="model id to decode with (one of /v1/models)")
     parser.add_argument("--api-key", help="API key (prefer --api-key-file; default: VLLM_API_KEY / API_KEY_FILE)")
     parser.add_argument("--api-key-file", help="file holding the API key")
-    parser.add_argument("--trace-dir", required=True, help="the server's TORCH_PROFILE_DIR (read here: a local server)")
+    parser.add_argument("--trace-dir", help="the server's TORCH_PROFILE_DIR (read here: a local server)")
+    parser.add_argument("--from-trace", action="append", metavar="FILE",
+                        help="no server: analyse this worker trace (recorded elsewhere); once per --concurrency, "
+                        "in its order")
     parser.add_argument(
         "--concurrency", type=_int_list, default=(1,), metavar="N[,N...]", help="streams side by side (default 1)"
     )

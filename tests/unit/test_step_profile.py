@@ -6,6 +6,9 @@ The CPU fixture, tests/fixtures/step_profile_cpu.json.gz, is a real trace of the
 of 1.5 ms or more, every aten::linear and a few of each custom op (572 events). Trimming drops
 events, never moves one, so the nesting is the trace's own. The CUDA document is built here
 from the fields Kineto writes for kernels and their launches (cat, name, ts, dur, args.correlation).
+The CUDA fixture, tests/fixtures/step_profile_cuda.json.gz, is a real trace of full-scale `single`
+with SPECULATION=mtp (generated weights, one stream) on the lent H100 of 2026-12-07, trimmed to
+four consecutive steady steps: every host event of that window and the device events they launched.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from bench import step_profile as sp
 from core.errors import BenchError
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "step_profile_cpu.json.gz"
+CUDA_FIXTURE = FIXTURE.with_name("step_profile_cuda.json.gz")
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +146,34 @@ def test_a_cuda_trace_is_read_by_its_kernels_tied_to_their_launches():
     assert sp.trace_versions(trace) == {"vllm": "0.28.0", "gpus": ["NVIDIA H100 80GB HBM3"]}
 
 
+def test_a_real_cuda_trace_splits_the_step_into_parts_that_sum_to_it_and_counts_its_launches(tmp_path, capsys):
+    trace = sp.load_trace(CUDA_FIXTURE)
+    point = sp.analyse(trace, concurrency=1)
+    assert point["kind"] == "cuda" and point["steps"] == 3 and point["tokens_verified_per_step"] == 5  # 1 + 4 MTP
+    rows = _rows(point)
+    assert sum(rows.values()) == pytest.approx(point["step_us"], abs=0.01)
+    # What the lease measured: every part a served target has, the drafter's scope, and device gaps.
+    for part in ("gemm_w4a16", "gdn_conv", "gdn_recurrent", "norm", "attention", "lm_head", "drafter", "sampling",
+                 "device_idle"):
+        assert rows[part] > 0, part
+    assert rows["gemm_w4a16"] == max(rows.values())  # the 4-bit weights' GEMMs are the largest part
+    assert point["launches_per_step"] == {"device_events": 1627, "cudaGraphLaunch": 9, "kernel_launches": 124,
+                                          "memcpy_memset": 88}
+    assert sp.trace_versions(trace) == {"vllm": "0.28.0", "gpus": ["NVIDIA H100 80GB HBM3"]}
+    # The same through `qwen38 bench steps --from-trace` (a trace brought back from a lease).
+    from entrypoint.cli import main
+
+    out = tmp_path / "steps.json"
+    assert main(["bench", "steps", "--from-trace", str(CUDA_FIXTURE), "--concurrency", "1", "--out", str(out)]) == 0
+    text = out.with_suffix(".md").read_text()
+    assert "9 CUDA-graph launches, 124 eager kernel launches" in text and "NVIDIA H100" in text
+    with pytest.raises(BenchError, match="2 traces for 1 concurrencies"):
+        sp.from_traces([CUDA_FIXTURE, CUDA_FIXTURE], [1], command="x", machine={})
+    capsys.readouterr()
+    assert main(["bench", "steps", "--out", str(out)]) != 0
+    assert "--base-url, --model, --trace-dir needed against a server (or --from-trace FILE)" in capsys.readouterr().err
+
+
 def test_the_markdown_names_the_versions_the_command_and_every_row(cpu_trace):
     point = sp.analyse(cpu_trace, concurrency=2)
     doc = {
@@ -165,3 +197,12 @@ def test_a_new_worker_trace_is_waited_for_and_the_frontend_one_ignored(tmp_path)
     assert sp.wait_for_trace(tmp_path, before, timeout=5, poll=0.05) == new
     with pytest.raises(BenchError, match="no new worker trace .* after 0 s \\(--trace-timeout"):
         sp.wait_for_trace(tmp_path, {new}, timeout=0.2, poll=0.05)
+    # The GPU worker's names (vLLM's rank suffix, and its fallback seen on the H100 of 2026-12-07);
+    # a graph capture's trace and another rank's are not rank 0's steps.
+    for other in ("graph_capture_rank_0.1.pt.trace.json.gz", "dp0_pp0_tp1_dcp0_ep0_rank1.2.pt.trace.json.gz",
+                  "rank10.3.pt.trace.json.gz"):
+        (tmp_path / other).write_bytes(b"{}")
+    gpu = [tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.7.pt.trace.json.gz", tmp_path / "rank0.8.pt.trace.json.gz"]
+    for path in gpu:
+        path.write_bytes(b"{}")
+    assert sp.trace_files(tmp_path) == {new, *gpu}
