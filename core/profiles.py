@@ -21,8 +21,10 @@ PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 ARTIFACT_LOCK_NAME = "artifacts.lock.toml"
 
 KVCacheDType = Literal[
-    "auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "int4_per_token_head"
+    "auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "int4_per_token_head", "k4v2_g128"
 ]
+# Our 4-bit-key / 2-bit-value KV cache (docs/kv-k4v2.md): Triton kernels for CUDA GPUs only.
+K4V2_KV_CACHE_DTYPE = "k4v2_g128"
 MambaDType = Literal["auto", "float32", "float16", "bfloat16"]
 
 
@@ -281,6 +283,11 @@ class Profile(_Strict):
             raise ValueError("`models.adapter`, `served.adapter` and `lora` go together")
         if self.served.adapter == self.served.base:
             raise ValueError("the adapter id must differ from the base id")
+        if self.platform == "cpu" and self.engine.kv_cache_dtype == K4V2_KV_CACHE_DTYPE:
+            raise ValueError(
+                f"engine.kv_cache_dtype {K4V2_KV_CACHE_DTYPE}: its kernels are Triton kernels for CUDA GPUs and the "
+                "CPU build has none; use kv_cache_dtype auto on a cpu profile"
+            )
         return self
 
     @property

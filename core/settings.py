@@ -53,6 +53,12 @@ BOTH_KEYS_SET = "VLLM_API_KEY and API_KEY_FILE are both set; set one of them"
 # An image reference: [registry/]name[:tag][@sha256:digest], lower-case name components.
 # A CUDA device as CUDA_VISIBLE_DEVICES and Docker name it: an index, a GPU UUID or a MIG UUID.
 GPU_ID = r"(\d+|GPU-[0-9a-fA-F-]+|MIG-[0-9a-fA-F-/]+)"
+# VISION: the 3090 seed's successor's limits (one image a prompt, at most 2,097,152 pixels), and
+# the smallest pixel cap that still gives one image token (a 32 x 32 tile: patch 16, merged 2 x 2).
+DEFAULT_IMAGES_PER_PROMPT = 1
+DEFAULT_MAX_PIXELS = 2_097_152
+MIN_MAX_PIXELS = 32 * 32
+MAX_IMAGES_PER_PROMPT = 16
 IMAGE_REFERENCE = r"^[a-z0-9]+([._/:-][a-z0-9]+)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$"
 
 
@@ -169,6 +175,35 @@ class Settings(BaseSettings):
     prefix_caching: bool | None = _knob(None, "overrides", "Automatic prefix caching on/off.", example="")
     enable_thinking: bool | None = _knob(
         None, "overrides", "Server-wide default for the chat template's `enable_thinking`.", example=""
+    )
+    vision: bool | None = _knob(
+        None,
+        "overrides",
+        "Images in: load the checkpoint's vision tower and accept images (OpenAI `image_url` parts as data URLs, "
+        "Anthropic base64 `image` blocks; http(s) URLs are refused, the server fetches nothing). Empty or "
+        "false: text only (every shipped profile's default). The target must carry a tower "
+        "(`vision_config` in its config.json). docs/vision.md.",
+        example="",
+    )
+    vision_images_per_prompt: int | None = _knob(
+        None,
+        "overrides",
+        f"With VISION on: most images one request may carry (more: a 400); 1..{MAX_IMAGES_PER_PROMPT}.",
+        example="",
+        shown=f"`{DEFAULT_IMAGES_PER_PROMPT}`",
+        ge=1,
+        le=MAX_IMAGES_PER_PROMPT,
+    )
+    vision_max_pixels: int | None = _knob(
+        None,
+        "overrides",
+        "With VISION on: most pixels (width x height) an image may have (more: a 400); also the image "
+        f"processor's cap, which sizes the encoder's start-up profiling. At least {MIN_MAX_PIXELS} (one image "
+        "token).",
+        example="",
+        shown=f"`{DEFAULT_MAX_PIXELS}`",
+        ge=MIN_MAX_PIXELS,
+        le=1 << 26,
     )
     shutdown_timeout: int | None = _knob(
         None,

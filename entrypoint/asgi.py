@@ -10,7 +10,8 @@ engine's environment, which the supervisor (`entrypoint.supervise`) sets:
   they started from another one on the same port.
 
 Inside the guard, `entrypoint.drain.ShutdownDrain` ends open responses when the server
-stops. The YAML ``--config`` turns a list into one ``--middleware`` flag with several
+stops, and inside that `entrypoint.image_requests.ImageRequestGuard` answers 400 for images the
+server will not read (its limits: `entrypoint.image_requests.VISION_ENV`). The YAML ``--config`` turns a list into one ``--middleware`` flag with several
 values, which argparse's ``append`` does not take: hence one class composing the layers.
 """
 
@@ -20,6 +21,7 @@ import os
 
 from entrypoint.auth import ApiKeyGuard, ASGIApp, Message, Receive, Scope, Send
 from entrypoint.drain import ShutdownDrain
+from entrypoint.image_requests import ImageRequestGuard
 
 API_KEY_ENV = "QWEN38_API_KEY"
 INSTANCE_ENV = "QWEN38_INSTANCE"
@@ -28,10 +30,10 @@ MIDDLEWARE_PATH = "entrypoint.asgi.StackMiddleware"
 
 
 class StackMiddleware:
-    """Instance header (outermost) -> API key guard -> shutdown drain -> vLLM's app."""
+    """Instance header (outermost) -> API key guard -> shutdown drain -> image checks -> vLLM's app."""
 
     def __init__(self, app: ASGIApp) -> None:
-        self.app = ApiKeyGuard(ShutdownDrain(app), os.environ.get(API_KEY_ENV) or None)
+        self.app = ApiKeyGuard(ShutdownDrain(ImageRequestGuard(app)), os.environ.get(API_KEY_ENV) or None)
         instance = os.environ.get(INSTANCE_ENV)
         self._instance = instance.encode("ascii") if instance else None
 

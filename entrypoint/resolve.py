@@ -24,8 +24,14 @@ from pathlib import Path
 
 from core.errors import SettingsError
 from core.profiles import MAX_VERIFY_BLOCK, Profile, Speculative
-from core.settings import SPECULATION_METHODS, Settings
-from entrypoint.resolved_engine import ResolvedEngine, ResolvedLora, ResolvedParallel, ResolvedSpeculative
+from core.settings import DEFAULT_IMAGES_PER_PROMPT, DEFAULT_MAX_PIXELS, SPECULATION_METHODS, Settings
+from entrypoint.resolved_engine import (
+    ResolvedEngine,
+    ResolvedLora,
+    ResolvedParallel,
+    ResolvedSpeculative,
+    ResolvedVision,
+)
 from entrypoint.toolchain import Runner, run_command
 from entrypoint.topology import LinkReading, TopologyError, read_link
 
@@ -164,6 +170,37 @@ def resolve_speculative(profile: Profile, settings: Settings, models_dir: Path) 
         draft_sample_method=spec.draft_sample_method,
         drafter_dir=str((models_dir / drafter.dir).absolute()) if _drafts_with_drafter(profile, method) else None,
         attention_backend=spec.attention_backend,
+    )
+
+
+def processor_kwargs(platform: str) -> dict[str, object]:
+    """The image processor options the engine is given on ``platform`` (its ``mm_processor_kwargs``).
+
+    The CPU image's torchvision is an import-only stand-in (docker/cpu/torchvision-standin), and
+    stock vLLM 0.28.0's Qwen3-VL processing asks transformers for the torchvision image processor
+    (``use_fast=True``) unless a request asks otherwise: its first resize fails. Patch 0086 lets
+    the engine's own options choose, so on CPU every image, a request's or the start-up profiling's
+    dummy one, goes through transformers' PIL processor (``use_fast: false``), whichever API it
+    came in by. GPU images ship the real torchvision and keep the fast one."""
+    return {"use_fast": False} if platform == "cpu" else {}
+
+
+def resolve_vision(profile: Profile, settings: Settings) -> ResolvedVision | None:
+    """Images in (VISION=true; no shipped profile turns them on by itself), with the limits of one
+    request; None: text only. The target's tower is checked where its config.json is read
+    (`entrypoint.model_configs.check_model_limits`)."""
+    if not settings.vision:
+        for knob, value in (("VISION_IMAGES_PER_PROMPT", settings.vision_images_per_prompt),
+                            ("VISION_MAX_PIXELS", settings.vision_max_pixels)):
+            if value is not None:
+                raise SettingsError(
+                    f"{knob}={value}: vision is off for profile {profile.name}; set VISION=true or unset {knob}"
+                )
+        return None
+    return ResolvedVision(
+        images_per_prompt=settings.vision_images_per_prompt or DEFAULT_IMAGES_PER_PROMPT,
+        max_pixels=settings.vision_max_pixels or DEFAULT_MAX_PIXELS,
+        processor_kwargs=processor_kwargs(profile.platform),
     )
 
 
@@ -308,9 +345,11 @@ def resolve(
         "verify_block": settings.verify_block,
         "enable_thinking": settings.enable_thinking,
         "shutdown_timeout": settings.shutdown_timeout,
+        "vision": settings.vision,
     }
     max_num_seqs = settings.max_num_seqs or engine.max_num_seqs
     devices = _devices(profile, settings)
+    vision = resolve_vision(profile, settings)
     return ResolvedEngine(
         profile=profile.name,
         platform=profile.platform,
@@ -335,7 +374,8 @@ def resolve(
         cudagraph_capture_limit=cudagraph_capture_limit(profile, max_num_seqs, speculative),
         additional_config=engine.additional_config,
         enable_flashinfer_autotune=engine.enable_flashinfer_autotune,
-        language_model_only=engine.language_model_only,
+        # Text only unless VISION=true; VISION=false makes a profile's VL target text-only too.
+        language_model_only=vision is None and (engine.language_model_only or settings.vision is False),
         tool_call_parser=engine.tool_call_parser,
         reasoning_parser=engine.reasoning_parser,
         structured_outputs_config=engine.structured_outputs_config,
@@ -348,6 +388,7 @@ def resolve(
         devices=devices,
         parallel=_parallel(profile, settings, detected_link, link_reader, devices),
         env=dict(profile.env),
+        vision=vision,
         overridden=tuple(name for name, value in overrides.items() if value is not None),
     )
 

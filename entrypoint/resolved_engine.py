@@ -31,6 +31,7 @@ KNOBS = {
     "verify_block": "VERIFY_BLOCK",
     "enable_thinking": "ENABLE_THINKING",
     "shutdown_timeout": "SHUTDOWN_TIMEOUT",
+    "vision": "VISION",
 }
 
 
@@ -62,6 +63,16 @@ class ResolvedLora(_Frozen):
     base_model_name: str
     max_lora_rank: int
     max_loras: int
+
+
+class ResolvedVision(_Frozen):
+    """Images in: the vision tower loaded and what one request may carry (VISION)."""
+
+    images_per_prompt: int  # vLLM's limit_mm_per_prompt["image"]; our API layer refuses more with a 400
+    max_pixels: int  # width x height an image may have (our 400); also the image processor's cap
+    # The image processor's options beside the pixel cap (vLLM's mm_processor_kwargs): the CPU
+    # build's PIL processor, see `entrypoint.resolve.processor_kwargs`.
+    processor_kwargs: dict[str, Any]
 
 
 class ResolvedParallel(_Frozen):
@@ -126,6 +137,7 @@ class ResolvedEngine(_Frozen):
     devices: str | None  # CUDA_VISIBLE_DEVICES (numbered in PCI bus order); None on CPU
     parallel: ResolvedParallel | None  # None: one GPU (or one CPU worker)
     env: dict[str, str]  # the profile's environment for vLLM
+    vision: ResolvedVision | None = None  # None: text only (vLLM's language_model_only)
     overridden: tuple[str, ...]  # the KNOBS the user set (for messages: where a value came from)
 
     @property
@@ -163,7 +175,9 @@ class ResolvedEngine(_Frozen):
 
 def field_paths() -> list[str]:
     """Every field of ResolvedEngine, nested ones as ``parent.child``."""
-    nested = {"speculative": ResolvedSpeculative, "lora": ResolvedLora, "parallel": ResolvedParallel}
+    nested = {
+        "speculative": ResolvedSpeculative, "lora": ResolvedLora, "parallel": ResolvedParallel, "vision": ResolvedVision
+    }
     paths = []
     for name in ResolvedEngine.model_fields:
         paths.append(name)

@@ -25,8 +25,9 @@ from core.profiles import Profile
 from core.progress import say
 from core.settings import Settings, load_serving
 from entrypoint import ready
-from entrypoint.launch import check_allocator, render_invocation, write_run_files
+from entrypoint.launch import check_allocator, check_kv_cache_build, render_invocation, write_run_files
 from entrypoint.model_configs import read_model_configs
+from entrypoint.patches import installed_vllm
 from entrypoint.plan import check_plannable, plan_engines
 from entrypoint.resolve import resolve_on_this_host
 from entrypoint.resolved_engine import ResolvedEngine
@@ -73,6 +74,7 @@ def serve_profile(profile_name: str | None = None, *, ready_gate: bool = True) -
     profile, settings, key = load_serving(profile_name)
     resolved = resolve_on_this_host(profile, settings)
     check_allocator(resolved, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+    check_kv_cache_build(resolved, installed_vllm())
     worker = resolved.parallel is not None and resolved.parallel.headless
     # run lock, leftovers of a killed start, old verdict gone; a worker host listens on no API port
     start = begin_start(profile, settings, serves_api=not worker)

@@ -148,7 +148,7 @@ def _cmd_steps(args: argparse.Namespace) -> int:
 
 
 def _write_steps(doc: dict, out: Path) -> int:
-    from bench import step_profile
+    from bench import step_profile  # deferred: `qwen38 bench --help` needs none of it
 
     print(step_profile.markdown(doc))
     _write_json(out, doc)

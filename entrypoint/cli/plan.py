@@ -14,6 +14,20 @@ def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / (1 << 20):,.1f} MiB"
 
 
+def _why_slots(cap: planner.Capacity) -> list[str]:
+    """Why this many slots stay resident beside a max-context request: the blocks it holds while it
+    runs, what another slot needs at least, what is left (none where it does not fit, or one slot)."""
+    if not cap.fits or cap.max_num_seqs < 2:
+        return []
+    return [
+        f"    why                one {cap.max_model_len:,}-token request takes {cap.blocks_per_request_at_max_len} of "
+        f"the {cap.num_blocks} blocks ({cap.blocks_per_request_at_peak} at its running peak); another slot needs "
+        f"{cap.blocks_per_request_minimum} even when short (its GDN state, a block per attention and window group): "
+        f"{cap.num_blocks - cap.blocks_per_request_at_max_len} are left "
+        f"({cap.num_blocks - cap.blocks_per_request_at_peak} at that peak)"
+    ]
+
+
 def render_plan(plan: planner.Plan) -> str:
     spec = f"speculation {plan.speculative_tokens} tokens" if plan.speculative_tokens else "no speculation"
     lines = [
@@ -23,6 +37,12 @@ def render_plan(plan: planner.Plan) -> str:
         + f", prefix caching {'on' if plan.prefix_caching else 'off'}, {spec}"
         + (" (plan reused)" if plan.reused else ""),
     ]
+    if plan.vision is not None:
+        v = plan.vision
+        lines.append(
+            f"  vision             tower {v.tower_bytes:,} B ({v.tower_source}), encoder cache "
+            f"{v.encoder_cache_bytes:,} B ({v.encoder_cache_tokens:,} tokens; an image is at most {v.image_tokens:,})"
+        )
     order = ["patched", "stock"] if plan.patched else ["stock", "patched"]
     for name in [n for n in order if n in plan.variants]:
         cap = plan.variants[name]
@@ -43,8 +63,10 @@ def render_plan(plan: planner.Plan) -> str:
             f"{(cap.context_bytes_per_token or 0) / 1024:,.1f} KiB per context token",
             f"    slots resident     {cap.slots_resident} of {cap.max_num_seqs} (short requests), "
             f"{cap.slots_resident_with_max_context} with one at max context",
+            *_why_slots(cap),
             f"    backend            {cap.backend}"
             + (f", drafter {cap.drafter_backend}" if cap.drafter_backend else ""),
+            *([f"    kv cache           {cap.kv_layout}"] if cap.kv_layout and cap.kv_layout != "vLLM's" else []),
             f"    max context fits   {'yes' if cap.fits else 'NO'}"
             + ("" if cap.fits else f" (fits up to {cap.max_model_len_that_fits:,} tokens)")
             + f"; with all slots busy: {'yes' if cap.fits_with_all_slots_busy else 'no'}",

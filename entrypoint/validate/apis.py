@@ -3,12 +3,18 @@
 For each id: OpenAI chat completions, completions and responses, and Anthropic messages,
 each non-streaming and streaming; a forced (named) tool call on chat, responses and
 messages whose arguments parse as JSON matching the tool's schema; and the error paths
-(unknown model -> 404, invalid parameters -> 400, missing or wrong key -> 401).
+(unknown model -> 404, invalid parameters -> 400, missing or wrong key -> 401). Where the
+server takes images (VISION on, docs/vision.md), a chat carrying a PNG is answered and a
+Messages request carrying one is answered or refused with a 400 naming why, and bytes that
+are not an image or an http URL are refused with a 400. A server that takes none says so to
+the first image, and adds no row: its report is the text-only one.
 Thinking is switched off per request so a real model answers in `content`.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from typing import Any
 
@@ -16,7 +22,8 @@ import httpx
 import jsonschema
 
 from entrypoint.client import StackClient
-from entrypoint.validate.report import Report
+from entrypoint.image_requests import VISION_OFF_MESSAGE
+from entrypoint.validate.report import CHECK_ERRORS, Report
 
 PROMPT = "Name three things a cache is good for."
 MAX_TOKENS = 16
@@ -163,6 +170,71 @@ def _tool_messages(client: StackClient, model: str) -> str:
     return tool_args_ok(uses[0]["input"])
 
 
+# ---- images (VISION on) ------------------------------------------------------------------
+
+IMAGE_SIDE = 64  # pixels: 4 tokens of the real tower (patch 16, merged 2 x 2), and of the tiny one
+IMAGE_PROMPT = "What colour is this picture?"
+NOT_AN_IMAGE = "data:image/png;base64," + base64.b64encode(b"not an image, only text").decode()
+REMOTE_IMAGE = "https://example.com/picture.png"
+# What a server that takes no images answers the first one (ours, and vLLM's own limit).
+VISION_OFF = (VISION_OFF_MESSAGE, "At most 0 image(s)")
+
+
+def png_base64(side: int = IMAGE_SIDE) -> str:
+    """A ``side`` x ``side`` PNG, two colours (a diagonal split), as base64."""
+    from PIL import Image
+
+    image = Image.new("RGB", (side, side), (30, 110, 200))
+    image.paste((230, 180, 40), (0, 0, side // 2, side // 2))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def _image_chat_body(model: str, url: str) -> dict[str, Any]:
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": IMAGE_PROMPT}]
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, **NO_THINKING}
+
+
+def _answered_chat(response: httpx.Response) -> str:
+    assert response.status_code == 200, f"expected 200, got {response.status_code}: {response.text[:200]}"
+    data = response.json()
+    assert data["usage"]["completion_tokens"] > 0, "no completion tokens"
+    return f"{data['usage']['prompt_tokens']} prompt tokens with the image, {data['usage']['completion_tokens']} out"
+
+
+def _image_messages(client: StackClient, model: str) -> str:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png_base64()}}
+    body = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, **NO_THINKING,
+            "messages": [{"role": "user", "content": [image, {"type": "text", "text": IMAGE_PROMPT}]}]}
+    response = client.post("/v1/messages", body)
+    if response.status_code == 400:
+        # A build that reads images only through OpenAI requests says so (docs/vision.md).
+        message = response.json()["error"]["message"]
+        assert "/v1/chat/completions" in message, f"400 without a reason: {message[:200]}"
+        return f"refused with a reason: {message[:120]}"
+    assert response.status_code == 200, f"expected 200, got {response.status_code}: {response.text[:200]}"
+    data = response.json()
+    assert data["content"] and data["usage"]["output_tokens"] > 0, "empty answer"
+    return f"{data['usage']['input_tokens']} input tokens with the image"
+
+
+def _image_checks(report: Report, client: StackClient, model: str) -> None:
+    try:
+        first = client.post("/v1/chat/completions", _image_chat_body(model, f"data:image/png;base64,{png_base64()}"))
+    except CHECK_ERRORS as exc:
+        report.add("image chat", model, False, f"{type(exc).__name__}: {exc}"[:300])
+        return
+    if first.status_code == 400 and any(said in first.text for said in VISION_OFF):
+        return  # VISION off: no image checks, the text-only report
+    report.run("image chat", model, lambda: _answered_chat(first))
+    report.run("image messages", model, lambda: _image_messages(client, model))
+    for label, url in (("not an image -> 400", NOT_AN_IMAGE), ("image URL -> 400", REMOTE_IMAGE)):
+        report.run(label, model,
+                   lambda url=url: _expect_status(client.post("/v1/chat/completions", _image_chat_body(model, url)), 400))
+
+
 # ---- error paths ------------------------------------------------------------------------
 
 
@@ -194,6 +266,7 @@ def validate_apis(client: StackClient, models: list[str] | None = None, *, has_k
         report.run("tool call chat", model, lambda: _tool_chat(client, model))
         report.run("tool call responses", model, lambda: _tool_responses(client, model))
         report.run("tool call messages", model, lambda: _tool_messages(client, model))
+        _image_checks(report, client, model)
         report.run("invalid parameters -> 400", model,
              lambda: _expect_status(client.post("/v1/chat/completions", _chat_body(model, temperature=-1)), 400))
         if has_key:

@@ -28,9 +28,10 @@ from tests.container.tools import COMPOSE_FILE, PROFILES, REPO, compose, compose
 
 pytestmark = pytest.mark.container
 
-ONE_GPU_PROFILES = ["single", "long", "batch", "spark-lora"]
+ONE_GPU_PROFILES = ["single", "long", "huge", "batch", "spark-lora"]
 IMAGE_OF = {
-    "single": "rtx3090", "long": "rtx3090", "batch": "rtx3090", "dual": "rtx3090", "spark-lora": "spark",
+    "single": "rtx3090", "long": "rtx3090", "huge": "rtx3090", "batch": "rtx3090", "dual": "rtx3090",
+    "spark-lora": "spark",
     "spark-pair": "spark",
     "cpu": "cpu",
 }  # fmt: skip

@@ -36,6 +36,7 @@ from safetensors import safe_open
 
 from core.checkpoint import open_checkpoint
 from prepare.checkpoint_writer import CheckpointWriter
+from prepare.draft_vocab import build_draft_vocab
 from prepare.generate import generate_model
 from prepare.int8_pack import dequantize_rows
 from prepare.requantize import requantize_checkpoint
@@ -119,6 +120,11 @@ def served_kinds() -> list[str]:
     return ["bf16", "w4a16"] if has_vllm_cpu_op("cpu_gemm_wna16") else ["bf16"]
 
 
+def draft_vocab_size(model: Path) -> int:
+    config = json.loads((model / "config.json").read_text())
+    return (config.get("text_config") or config)["vocab_size"]
+
+
 def served_base(tiny: dict[str, Path], kind: str) -> Path:
     """The tiny target of ``kind``; a W4A16 one only where vLLM-CPU has its kernel."""
     if kind == "w4a16":
@@ -176,6 +182,13 @@ def probed(tiny, tmp_path_factory) -> dict:
         mtp = requantized(base, work / f"mtp-{kind}", ["lm_head", "mtp"])
         runs += [{"name": f"mtp-{kind}", "model": str(mtp), "mtp": 2},
                  {"name": f"mtp-{kind}-scored", "model": str(mtp), "score_from": f"mtp-{kind}"}]
+        # The same with a draft vocabulary (patch 0012): every 4th id of the target's.
+        ids = work / f"draft-ids-{kind}.json"
+        ids.write_text(json.dumps(list(range(0, draft_vocab_size(base), 4))))
+        vocab = build_draft_vocab(base, work / f"draft-vocab-{kind}", ids_file=ids).out
+        mtp_dv = work / f"mtp-dv-{kind}"
+        requantize_checkpoint(base, mtp_dv, ["lm_head", "mtp"], draft_vocab=vocab)
+        runs += [{"name": f"mtp-dv-{kind}", "model": str(mtp_dv), "mtp": 2}]
         if embed_skip is None:
             embed = requantized(base, work / f"embed-{kind}", ["lm_head", "embed_tokens"])
             reference = dequantized_copy(embed, base, work / f"embed-{kind}-reference",
@@ -243,6 +256,30 @@ def test_mtp_speculation_with_int8_mtp_layers_emits_the_targets_greedy_tokens(ti
             assert verified[str(token)] == max(verified.values()), (offset, token, verified)
             for other in verified.keys() & prefilled.keys():
                 assert abs(verified[other] - prefilled[other]) <= 0.05, (offset, other, verified, prefilled)
+
+
+@pytest.mark.parametrize("kind", ["w4a16", "bf16"])
+def test_mtp_drafts_from_the_draft_vocabulary_losslessly(tiny, probed, kind):
+    """Patch 0012: with `prepare draft-vocab`'s mapping in the model directory the MTP head
+    drafts from those rows only (gathered from the int8 lm_head at load: the reference kernel
+    built a quarter-size 8-bit head), its logits equal the full head's there and are -inf
+    elsewhere, it drafts, and every emitted token is the target's top token in its verify step."""
+    served_base(tiny, kind)
+    run = answered(probed, f"mtp-dv-{kind}")
+    vocab = draft_vocab_size(tiny[kind])
+    ids = list(range(0, vocab, 4))
+    head = run["draft_head"]
+    assert head is not None and head["rows"] == len(ids) and head["ids"] == ids and head["vocab"] == vocab
+    assert head["finite_columns"] == [ids] * 3  # exactly the draft ids, for each of three hidden states
+    assert head["full_head_rows"] == vocab and head["max_diff_at_ids"] <= 1e-2
+    assert {"scale_dtype": "torch.bfloat16", "packed_shape": [len(ids), 64], "group": 128} in run["int8_layers"]
+    assert run["spec_metrics"].get("vllm:spec_decode_num_drafts", 0) > 0
+    for out in run["outputs"]:
+        for offset, token in enumerate(out["token_ids"]):
+            verified = out["logprobs"][offset]
+            assert verified[str(token)] == max(verified.values()), (offset, token, verified)
+    # Without the mapping (the plain MTP run of the same weights) no reduced head is built.
+    assert answered(probed, f"mtp-{kind}")["draft_head"] is None
 
 
 @pytest.mark.parametrize("kind", ["w4a16", "bf16"])

@@ -79,6 +79,8 @@ def answer(model: str, dtype: str = "auto", mtp: int = 0, score: list[list[int]]
             }
         )
     result["int8_layers"] = _seen()[seen_before:]
+    if mtp:
+        result["draft_head"] = llm.collective_rpc(_draft_head)[0]
     result["spec_metrics"] = {
         metric.name: getattr(metric, "value", None)
         for metric in llm.get_metrics()
@@ -87,6 +89,32 @@ def answer(model: str, dtype: str = "auto", mtp: int = 0, score: list[list[int]]
     del llm
     gc.collect()
     return result
+
+
+def _draft_head(worker) -> dict | None:
+    """Inside the engine: the MTP model's reduced head (qwen38 patch 0012), or None. Its row
+    count, the columns a full-vocabulary logits row leaves finite for random hidden states, and
+    how far those logits are from the full head's (the target's, shared by the proposer)."""
+    import torch
+
+    model = worker.model_runner.drafter.model
+    if getattr(model, "qwen38_draft_head", None) is None:
+        return None
+    ids = model.qwen38_draft_ids
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(device=ids.device, dtype=model.vllm_config.model_config.dtype)
+    with torch.inference_mode():
+        drafted = model.compute_logits(hidden)
+        full = model.logits_processor(model.lm_head, hidden)
+    finite = torch.isfinite(drafted)
+    return {
+        "rows": int(ids.numel()),
+        "vocab": int(drafted.shape[-1]),
+        "finite_columns": [sorted(torch.nonzero(row).flatten().tolist()) for row in finite],
+        "ids": ids.tolist(),
+        "max_diff_at_ids": float((drafted[:, ids].float() - full[:, ids].float()).abs().max()),
+        "full_head_rows": int(full.shape[-1]),
+    }
 
 
 def _seen() -> list[dict]:

@@ -32,6 +32,8 @@ SEED_CASES = (
     ("single", True),
     ("long", False),
     ("long", True),
+    ("huge", False),
+    ("huge", True),
     ("batch", False),
     ("batch", True),
     ("spark-lora", None),
@@ -66,7 +68,6 @@ def seed_plans(tmp_path_factory):
     """{(profile, prefix_caching): Plan} for the provisional profiles, both trees."""
     from core.profiles import load_profile
     from entrypoint.model_configs import read_model_configs
-    from entrypoint.plan import plan_engines
     from entrypoint.resolve import resolve
 
     if importlib.util.find_spec("vllm") is None:
@@ -77,16 +78,23 @@ def seed_plans(tmp_path_factory):
         profile = load_profile(name)
         resolved = resolve(profile, user_settings(name, models_dir=models_dir, prefix_caching=pc))
         items.append((resolved, read_model_configs(profile, resolved, models_dir)))
+    plans = plan_in_children(items, compare=True)
+    return {case: plan for case, plan in zip(SEED_CASES, plans, strict=True)}
+
+
+def plan_in_children(items: list, *, compare: bool) -> list:
+    """`plan_engines` with this checkout first on the planner children's PYTHONPATH."""
+    from entrypoint.plan import plan_engines  # the planner imports vLLM's helpers: at use, like the fixtures'
+
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = child_pythonpath()
     try:
-        plans = plan_engines(items, compare=True)
+        return plan_engines(items, compare=compare)
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved
-    return {case: plan for case, plan in zip(SEED_CASES, plans, strict=True)}
 
 
 def render_resolved(profile, settings, api_key, **kwargs):

@@ -21,7 +21,7 @@ needs_patch_series = pytest.mark.skipif(
 
 
 def test_each_image_serves_the_profiles_of_its_machine():
-    assert profiles_for(IMAGES["rtx3090"]) == ["batch", "dual", "long", "single"]
+    assert profiles_for(IMAGES["rtx3090"]) == ["batch", "dual", "huge", "long", "single"]
     assert profiles_for(IMAGES["spark"]) == ["spark-lora", "spark-pair"]
     assert profiles_for(IMAGES["cpu"]) == ["cpu"]
 

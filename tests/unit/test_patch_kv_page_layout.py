@@ -70,3 +70,17 @@ def test_stock_vllm_refuses_single_and_long(seed_plans, profile, prefix_caching)
     stock = seed_plans[(profile, prefix_caching)].variants["stock"]
     assert not stock.fits
     assert "To serve at least one request with the model's max seq len" in stock.refusal
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_window_far_smaller_than_a_4_bit_target_page_is_padded_not_promoted(seed_plans, prefix_caching):
+    """`huge`: k4v2_g128 target pages (2,176 tokens x 832 B) beside the drafter's bf16 window (4,096 B
+    per token). Promoting the window to 2,176-token blocks would make an 8.9 MB page every other page
+    pads to; the window takes the largest block that divides 2,176 and fits the target page (272),
+    padded to it, and no other page is padded."""
+    cap = seed_plans[("huge", prefix_caching)].serving
+    window = [g for g in cap.groups if g.kind == "sliding-window"]
+    page = cap.bytes_per_block // cap.group_size
+    assert [(g.block_size, g.page_bytes) for g in window] == [(272, page)] and 272 * 4096 <= page < 544 * 4096
+    assert {g.page_bytes for g in cap.groups} == {page} == {2176 * 832}

@@ -161,8 +161,8 @@ def test_a_context_above_the_models_positions_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # the changed values are not of the field's type
 def test_plan_cache_key_covers_every_field_but_the_ignored_ones(tmp_path):
-    # spark-pair: the profile with every nested part (speculative, lora, parallel) set.
-    resolved, configs = _inputs("spark-pair", tmp_path)
+    # spark-pair: the profile with every nested part (speculative, lora, parallel; vision with VISION=true) set.
+    resolved, configs = _inputs("spark-pair", tmp_path, vision=True)
     base = plan_cache_key(resolved, configs, TREE)
     assert set(PLAN_IGNORED) <= set(field_paths())
     for path in field_paths():
@@ -170,7 +170,7 @@ def test_plan_cache_key_covers_every_field_but_the_ignored_ones(tmp_path):
         if leaf:
             nested = getattr(resolved, parent).model_copy(update={leaf: f"changed {path}"})
             changed = resolved.model_copy(update={parent: nested})
-        elif path in ("speculative", "lora", "parallel"):
+        elif path in ("speculative", "lora", "parallel", "vision"):
             continue  # their fields are changed one by one
         else:
             changed = resolved.model_copy(update={path: f"changed {path}"})

@@ -10,7 +10,7 @@ import pytest
 from core.errors import ProfileError
 from core.profiles import PROFILES_DIR, load_profile, profile_names
 
-EXPECTED = {"cpu", "single", "long", "batch", "dual", "spark-lora", "spark-pair"}
+EXPECTED = {"cpu", "single", "long", "huge", "batch", "dual", "spark-lora", "spark-pair"}
 
 
 def test_every_profile_of_the_design_exists_and_loads():
@@ -76,6 +76,25 @@ def test_batch_serves_many_users_without_a_drafter():
     assert batch.engine.enable_prefix_caching and batch.engine.kv_cache_memory_bytes == 6_979_321_856
     assert batch.env["VLLM_MARLIN_INPUT_DTYPE"] == "int8" and batch.require_patches
     assert "VLLM_MARLIN_INPUT_DTYPE" not in load_profile("single").env  # 1-8 rows stay W4A16
+
+
+def test_huge_holds_the_seeds_longest_context_in_4_bit_keys_and_2_bit_values():
+    """`huge`: `long`'s models and drafter, 245,760 context in 2 slots, the k4v2_g128 KV format in
+    the seed's CTX=huge pool, on the Triton backend that reads it; `long` keeps its int8 KV."""
+    huge, long = load_profile("huge"), load_profile("long")
+    assert (huge.engine.max_model_len, huge.engine.max_num_seqs, huge.engine.kv_cache_dtype) == (
+        245760, 2, "k4v2_g128")
+    assert huge.engine.kv_cache_memory_bytes == 5_261_334_938 and huge.engine.enable_prefix_caching
+    assert huge.engine.attention_backend == "TRITON_ATTN" and huge.engine.block_size == 128
+    assert (huge.machine, huge.models, huge.speculative, huge.env) == (long.machine, long.models, long.speculative,
+                                                                        long.env)
+    assert huge.require_patches and long.engine.kv_cache_dtype == "int8_per_token_head"
+
+
+def test_a_cpu_profile_cannot_take_the_k4v2_format(profiles_copy):
+    _edit(profiles_copy, "cpu", "max_num_seqs = 4", 'max_num_seqs = 4\nkv_cache_dtype = "k4v2_g128"')
+    with pytest.raises(ProfileError, match="k4v2_g128: its kernels are Triton kernels for CUDA GPUs.*use kv_cache_dtype auto"):
+        load_profile("cpu", profiles_copy)
 
 
 @pytest.fixture

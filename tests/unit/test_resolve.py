@@ -132,8 +132,8 @@ def test_the_positions_limit_includes_rope_scaling():
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # the changed values are not of the field's type
 def test_compile_cache_key_covers_every_field_but_the_ignored_ones(tmp_path):
-    # spark-pair: the profile with every nested part (speculative, lora, parallel) set.
-    resolved = resolve(load_profile("spark-pair"), user_settings("spark-pair", models_dir=tmp_path))
+    # spark-pair: the profile with every nested part (speculative, lora, parallel; vision with VISION=true) set.
+    resolved = resolve(load_profile("spark-pair"), user_settings("spark-pair", models_dir=tmp_path, vision=True))
     base = compile_cache_key(resolved)
     assert set(COMPILE_IGNORED) <= set(field_paths()) and set(PLAN_IGNORED) <= set(field_paths())
     for path in field_paths():
@@ -142,7 +142,7 @@ def test_compile_cache_key_covers_every_field_but_the_ignored_ones(tmp_path):
             changed = resolved.model_copy(
                 update={parent: getattr(resolved, parent).model_copy(update={leaf: f"changed {path}"})}
             )
-        elif path in ("speculative", "lora", "parallel"):
+        elif path in ("speculative", "lora", "parallel", "vision"):
             continue  # their fields are changed one by one
         else:
             changed = resolved.model_copy(update={path: f"changed {path}"})

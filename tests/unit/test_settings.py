@@ -55,7 +55,7 @@ def test_unknown_key_in_dotenv_is_named_with_a_suggestion(tmp_path):
         ("MTP_DEPTH", "four", r"MTP_DEPTH=\"four\": Input should be a valid integer"),
         ("PROFILE", "fast",
          r"PROFILE=fast: no profile 'fast' in \S+; known profiles: "
-         r"batch, cpu, dual, long, single, spark-lora, spark-pair"),
+         r"batch, cpu, dual, huge, long, single, spark-lora, spark-pair"),
         ("CUDA_VISIBLE_DEVICES", "all", r"CUDA_VISIBLE_DEVICES=\"all\": String should match pattern"),
         ("CUDA_VISIBLE_DEVICES", "0,", r"CUDA_VISIBLE_DEVICES=\"0,\": String should match pattern"),
         ("GPU_DEVICES", "0", r"GPU_DEVICES=\"0\": String should match pattern"),

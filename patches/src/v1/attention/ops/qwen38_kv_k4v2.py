@@ -2,8 +2,10 @@
 """The `k4v2_g128` quantized KV cache (issue 56): 4-bit keys, 2-bit values, group 128.
 
 Written from the format's definition for Qwen3.8-27B's full-attention layers (24 query
-heads, 4 KV heads, head_dim 256); no vLLM integration yet (docs/kv-k4v2.md says what is
-left). Everything here needs only torch and triton.
+heads, 4 KV heads, head_dim 256). Delivered into vLLM by qwen38 patch 0047 (the dtype, its
+page and the Triton backend's calls: the glue at the end of this file); proven on CPU under
+the Triton interpreter, not yet on a GPU (docs/kv-k4v2.md says what is left). Everything here
+needs only torch and triton.
 
 Quantization (per token, per KV head, per group of 128 consecutive head dims)
 -----------------------------------------------------------------------------
@@ -87,7 +89,7 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 
-KV_CACHE_DTYPE = "kvarn_k4v2_g128"
+KV_CACHE_DTYPE = "k4v2_g128"  # vLLM's --kv-cache-dtype name (the seed called it kvarn_k4v2_g128)
 BLOCK_SIZE = 128  # tokens per page (vLLM --block-size 128)
 GROUP_SIZE = 128  # head dims per scale
 HEAD_DIM = 256  # the only head_dim the packing is written for (two groups)
@@ -726,3 +728,130 @@ def kvk4v2_attention(
         INTERPRETED=interpreted, num_warps=4,
     )
     return out
+
+
+# ---------------------------------------------------------------- vLLM glue (qwen38 patch 0047)
+
+
+def holds_layer(head_size: int, sliding_window: int | None) -> bool:
+    """Whether the format can hold an attention layer: full attention of head_dim 256. vLLM keeps
+    every other layer of a model that asks for k4v2_g128 (a DFlash2 drafter's head-128
+    sliding-window layers) at the model dtype."""
+    return head_size == HEAD_DIM and sliding_window is None
+
+
+def layer_pages(kv_cache: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """One layer's vLLM KV cache (uint8, blocks outermost, any order inside a block) as the
+    kernels' pages: uint8 (num_blocks * pages_per_block, bytes_per_block). A vLLM block of
+    ``n * 128`` tokens is ``n`` whole pages, so page ``slot // 128`` holds ``slot % 128`` whatever
+    vLLM's block size."""
+    layout = KVK4V2Layout(num_kv_heads)
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() < 2:
+        raise ValueError(f"a k4v2 layer cache is uint8 with blocks outermost, found {kv_cache.dtype}")
+    num_blocks = kv_cache.shape[0]
+    block_bytes = kv_cache[0].numel()
+    if block_bytes % layout.bytes_per_block:
+        raise ValueError(f"a {block_bytes}-byte block is not whole {layout.bytes_per_block}-byte pages")
+    if num_blocks > 1 and kv_cache.stride(0) != block_bytes:
+        raise ValueError(f"k4v2 blocks must be contiguous (stride {kv_cache.stride(0)}, {block_bytes} bytes each)")
+    pages = num_blocks * (block_bytes // layout.bytes_per_block)
+    return torch.as_strided(kv_cache, (pages, layout.bytes_per_block), (layout.bytes_per_block, 1))
+
+
+def page_table(block_table: torch.Tensor, pages_per_block: int) -> torch.Tensor:
+    """vLLM's block table (requests, blocks) -> the kernels' table of 128-token pages."""
+    if pages_per_block == 1:
+        return block_table
+    steps = torch.arange(pages_per_block, device=block_table.device, dtype=block_table.dtype)
+    return (block_table.unsqueeze(-1) * pages_per_block + steps).flatten(1)
+
+
+def _pages_dequantized(pages: torch.Tensor, num_kv_heads: int, table_row: torch.Tensor, start: int, stop: int):
+    """Positions ``start..stop`` of one request, K and V float32 (tokens, heads, 256)."""
+    first, last = start // BLOCK_SIZE, (stop - 1) // BLOCK_SIZE
+    keys, values = dequantize_pages(pages[table_row[first : last + 1].long()], num_kv_heads)
+    lo = start - first * BLOCK_SIZE
+    return keys.flatten(0, 1)[lo : lo + stop - start], values.flatten(0, 1)[lo : lo + stop - start]
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    num_kv_heads: int,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    query_rows: int = 256,
+    context_tokens: int = 2048,
+) -> torch.Tensor:
+    """Causal attention of query blocks of any length (chunked prefill, prefix-cache hits) over
+    the k4v2 pages, in torch: per request, per ``query_rows`` queries, the context dequantized
+    ``context_tokens`` at a time with an online softmax (bounded memory at 245k of context: about
+    50 MB of float32 scores for 24 heads at the defaults).
+    Correct, not fast: it stands in for a prefill kernel over the pages (docs/kv-k4v2.md).
+    Arguments as `kvk4v2_attention` (``block_table`` in 128-token pages); a host sync."""
+    starts, lens = cu_seqlens_q.tolist(), seqused_k.tolist()
+    group = q.shape[1] // num_kv_heads
+    for seq, seq_len in enumerate(lens):
+        q0, q1 = starts[seq], starts[seq + 1]
+        if q1 <= q0 or seq_len <= 0:
+            continue
+        first_pos = seq_len - (q1 - q0)
+        for r0 in range(q0, q1, query_rows):
+            r1 = min(q1, r0 + query_rows)
+            qg = q[r0:r1].float().unflatten(1, (num_kv_heads, group))  # (rows, kv, g, d)
+            q_pos = first_pos + (r0 - q0) + torch.arange(r1 - r0, device=q.device)
+            top = torch.full((num_kv_heads, group, r1 - r0), float("-inf"), device=q.device)
+            total = torch.zeros_like(top)
+            acc = torch.zeros((num_kv_heads, group, r1 - r0, HEAD_DIM), device=q.device)
+            end = first_pos + (r1 - q0)  # keys past the last query row are never read
+            for c0 in range(0, end, context_tokens):
+                c1 = min(end, c0 + context_tokens)
+                keys, values = _pages_dequantized(pages, num_kv_heads, block_table[seq], c0, c1)
+                scores = torch.einsum("qkgd,nkd->kgqn", qg, keys) * softmax_scale
+                k_pos = c0 + torch.arange(c1 - c0, device=q.device)
+                scores = scores.masked_fill(k_pos[None, None, None, :] > q_pos[None, None, :, None], float("-inf"))
+                new_top = torch.maximum(top, scores.amax(-1))
+                safe = torch.where(new_top == float("-inf"), 0.0, new_top)
+                weights = torch.exp(scores - safe[..., None])
+                rescale = torch.exp(torch.where(top == float("-inf"), safe, top) - safe)
+                total = total * rescale + weights.sum(-1)
+                acc = acc * rescale[..., None] + torch.einsum("kgqn,nkd->kgqd", weights, values)
+                top = new_top
+            result = (acc / total.clamp_min(1e-30)[..., None]).permute(2, 0, 1, 3).flatten(1, 2)
+            out[r0:r1] = result.to(out.dtype)
+    return out
+
+
+def forward(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    num_kv_heads: int,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    max_seqlen_q: int,
+    softmax_scale: float,
+    workspace: KVK4V2Workspace | None,
+) -> torch.Tensor:
+    """The attention of one layer over its k4v2 cache, as vLLM's Triton backend calls it:
+    decode and verify blocks (at most `MAX_VERIFY_TOKENS` query tokens each) through the
+    split-KV kernel, any longer block through `prefill_attention`. ``kv_cache`` and
+    ``block_table`` are vLLM's (its block a whole number of pages)."""
+    pages = layer_pages(kv_cache, num_kv_heads)
+    table = page_table(block_table, pages.shape[0] // kv_cache.shape[0])
+    args = dict(num_kv_heads=num_kv_heads, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=table,
+                softmax_scale=softmax_scale)
+    if max_seqlen_q <= MAX_VERIFY_TOKENS and workspace is not None:
+        return kvk4v2_attention(q, pages, out, max_seqlen_q=max_seqlen_q, workspace=workspace, **args)
+    return prefill_attention(q, pages, out, **args)
+
+
+def write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`kvk4v2_write` into vLLM's layer cache (slots as vLLM numbers them)."""
+    kvk4v2_write(key, value, layer_pages(kv_cache, key.shape[1]), slot_mapping)
