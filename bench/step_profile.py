@@ -338,10 +338,12 @@ def analyse(trace: dict[str, Any], concurrency: int) -> dict[str, Any]:
     per_step: list[dict[str, float]] = []
     windows: list[float] = []
     counted: list[dict[str, int]] = []  # CUDA: what the host launched in each step (the fixed costs' count)
+    idle_scopes: list[dict[str, float]] = []  # CUDA: each step's idle gaps by the scope that ended them
     if device:
         kind = "cuda"
         launches = _launches(roots)
         by_step: list[list[tuple[float, float, str]]] = [[] for _ in chosen]
+        launched_in: list[list[tuple[float, float, str]]] = [[] for _ in chosen]  # (start, end, scope)
         for e in device:
             launch = launches.get((e.get("args") or {}).get("correlation"))
             if launch is None:
@@ -354,6 +356,7 @@ def analyse(trace: dict[str, Any], concurrency: int) -> dict[str, Any]:
             part = _scoped_part(chain) or _op_part(chain, own) or "other_ops"
             start = float(e["ts"])
             by_step[index].append((start, start + float(e.get("dur", 0.0)), part))
+            launched_in[index].append((start, start + float(e.get("dur", 0.0)), _launch_scope(chain)))
         firsts = [min((k[0] for k in ks), default=None) for ks in by_step]
         for i, ks in enumerate(by_step):
             nxt = firsts[i + 1] if i + 1 < len(firsts) else None
@@ -363,6 +366,7 @@ def analyse(trace: dict[str, Any], concurrency: int) -> dict[str, Any]:
             per_step.append(cuda_step_parts(ks, window))
             windows.append(window[1] - window[0])
             counted.append(_launch_counts(host, chosen[i], len(ks)))
+            idle_scopes.append(idle_by_scope(launched_in[i], window))
     else:
         kind = "cpu"
         for step in chosen:
@@ -398,7 +402,34 @@ def analyse(trace: dict[str, Any], concurrency: int) -> dict[str, Any]:
         # Per steady step (CUDA traces): device events run, and the host's launch calls by kind.
         "launches_per_step": {k: round(sum(c[k] for c in counted) / len(counted), 2) for k in LAUNCHES} if counted
         else None,
+        # The device's idle time inside a step (CUDA), by the vLLM scope on the host that launched the
+        # kernel ending each gap: where the host was while the device waited (µs per step).
+        "idle_by_scope_us": {scope: round(sum(d.get(scope, 0.0) for d in idle_scopes) / len(idle_scopes), 3)
+                             for scope in sorted({k for d in idle_scopes for k in d})} if idle_scopes else None,
     }
+
+
+def _launch_scope(chain: Sequence[Node]) -> str:
+    """The innermost vLLM scope around a launch (``gpu_model_runner: ...``, ``schedule: ...``), or
+    "(no vLLM scope)"."""
+    return next((n.name for n in chain if n.cat == "user_annotation" and not STEP_SCOPE.match(n.name)),
+                "(no vLLM scope)")
+
+
+def idle_by_scope(kernels: Sequence[tuple[float, float, str]], window: tuple[float, float]) -> dict[str, float]:
+    """The device idle inside ``window`` (what `cuda_step_parts` counts as ``device_idle``), each gap
+    given to the scope that launched the kernel ending it; ``kernels``: (start, end, scope)."""
+    lo, hi = window
+    out: dict[str, float] = {}
+    cursor = lo
+    for start, end, scope in sorted(kernels):
+        start, end = max(start, cursor), min(end, hi)
+        if end <= start:
+            continue
+        if start > cursor:
+            out[scope] = out.get(scope, 0.0) + start - cursor
+        cursor = end
+    return out
 
 
 # The host calls that put work on the device: each eager kernel is one launch, a CUDA graph one
@@ -452,6 +483,11 @@ def markdown(doc: dict[str, Any]) -> str:
             lines += [f"Per step: {launches['device_events']:g} device events (kernels, copies, memsets) from "
                       f"{launches['cudaGraphLaunch']:g} CUDA-graph launches, {launches['kernel_launches']:g} eager "
                       f"kernel launches and {launches['memcpy_memset']:g} memcpy / memset calls.", ""]
+        idle = point.get("idle_by_scope_us")
+        if idle:
+            ranked = sorted(idle.items(), key=lambda kv: -kv[1])
+            lines += ["Device idle inside the step, by the host scope that launched the kernel ending each gap: "
+                      + ", ".join(f"{scope} {us / 1000:.3f} ms" for scope, us in ranked) + ".", ""]
     lines += ["Rules: docs/step-profile.md.", ""]
     return "\n".join(lines)
 

@@ -159,6 +159,11 @@ def test_a_real_cuda_trace_splits_the_step_into_parts_that_sum_to_it_and_counts_
     assert rows["gemm_w4a16"] == max(rows.values())  # the 4-bit weights' GEMMs are the largest part
     assert point["launches_per_step"] == {"device_events": 1627, "cudaGraphLaunch": 9, "kernel_launches": 124,
                                           "memcpy_memset": 88}
+    # The idle time, split by the host scope that launched the kernel ending each gap, is all of it;
+    # on this trace most of it waits on the step's input preparation.
+    idle = point["idle_by_scope_us"]
+    assert sum(idle.values()) == pytest.approx(rows["device_idle"], abs=0.01)
+    assert max(idle, key=idle.get) == "gpu_model_runner: preprocess"
     assert sp.trace_versions(trace) == {"vllm": "0.28.0", "gpus": ["NVIDIA H100 80GB HBM3"]}
     # The same through `qwen38 bench steps --from-trace` (a trace brought back from a lease).
     from entrypoint.cli import main
@@ -167,11 +172,18 @@ def test_a_real_cuda_trace_splits_the_step_into_parts_that_sum_to_it_and_counts_
     assert main(["bench", "steps", "--from-trace", str(CUDA_FIXTURE), "--concurrency", "1", "--out", str(out)]) == 0
     text = out.with_suffix(".md").read_text()
     assert "9 CUDA-graph launches, 124 eager kernel launches" in text and "NVIDIA H100" in text
+    assert "by the host scope that launched the kernel ending each gap: gpu_model_runner: preprocess" in text
     with pytest.raises(BenchError, match="2 traces for 1 concurrencies"):
         sp.from_traces([CUDA_FIXTURE, CUDA_FIXTURE], [1], command="x", machine={})
     capsys.readouterr()
     assert main(["bench", "steps", "--out", str(out)]) != 0
     assert "--base-url, --model, --trace-dir needed against a server (or --from-trace FILE)" in capsys.readouterr().err
+
+
+def test_idle_gaps_go_to_the_scope_whose_launch_ends_them():
+    kernels = [(0, 10, "a"), (15, 20, "b"), (18, 30, "c"), (40, 45, "a"), (120, 130, "x")]
+    # 10-15 ends with b's launch, 30-40 with a's; c overlaps b (no gap); x starts past the window.
+    assert sp.idle_by_scope(kernels, (0, 100)) == {"b": 5, "a": 10}
 
 
 def test_the_markdown_names_the_versions_the_command_and_every_row(cpu_trace):
