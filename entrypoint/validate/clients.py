@@ -9,7 +9,10 @@ agent harnesses do, through the SDKs, with nothing but what those clients send:
   reasons);
 - Anthropic: messages (plain and streamed), a forced ``tool_use`` plain and streamed
   (``stop_reason: "tool_use"``, a ``tool_use`` block streamed as ``input_json_delta``), a
-  ``tool_result`` round trip, ``tools: []``, and the ``thinking`` switch.
+  ``tool_result`` round trip, ``tools: []``, and the ``thinking`` switch;
+- on a server that takes images (VISION on): a PNG through each SDK (an ``image_url`` data URL,
+  an ``image`` block), answered, and through each a picture that is not one, refused with 400.
+  A server that takes none refuses the first image and gets no image rows.
 
 No request carries ``chat_template_kwargs``: a check passes only if the server's defaults and
 its mapping of the clients' own switches make it pass. The Anthropic client sends the key as
@@ -24,7 +27,17 @@ from collections.abc import Callable
 from typing import Any
 
 from core.errors import SettingsError
-from entrypoint.validate.apis import TOOL_DESCRIPTION, TOOL_NAME, TOOL_PROMPT, TOOL_SCHEMA, tool_args_ok
+from entrypoint.validate.apis import (
+    IMAGE_PROMPT,
+    NOT_AN_IMAGE,
+    TOOL_DESCRIPTION,
+    TOOL_NAME,
+    TOOL_PROMPT,
+    TOOL_SCHEMA,
+    VISION_OFF,
+    png_base64,
+    tool_args_ok,
+)
 from entrypoint.validate.report import Report
 
 PROMPT = "Name three things a cache is good for."
@@ -319,6 +332,64 @@ ANTHROPIC_CHECKS: tuple[tuple[str, Callable[[Any, str], str]], ...] = (
 )
 
 
+def _image_content(url: str) -> list[dict[str, Any]]:
+    return [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": IMAGE_PROMPT}]
+
+
+def _image_block(data: str) -> list[dict[str, Any]]:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    return [image, {"type": "text", "text": IMAGE_PROMPT}]
+
+
+def _refused(call: Callable[[], Any]) -> str:
+    """The SDK's 400 for a call that must be refused, with the server's reason."""
+    import anthropic
+    import openai
+
+    try:
+        call()
+    except (openai.BadRequestError, anthropic.BadRequestError) as exc:
+        return f"400: {str(exc)[:120]}"
+    raise AssertionError("answered; expected a 400")
+
+
+def _image_checks(report: Report, oai: Any, ant: Any, model: str, errors: tuple[type[BaseException], ...]) -> None:
+    """The image rows, on a server that takes images (the first image's answer says which)."""
+    import openai
+
+    def chat(url: str) -> Any:
+        return oai.chat.completions.create(model=model, messages=[{"role": "user", "content": _image_content(url)}],
+                                           max_tokens=MAX_TOKENS, reasoning_effort="none")
+
+    try:
+        first = chat(f"data:image/png;base64,{png_base64()}")
+    except openai.BadRequestError as exc:
+        if any(said in str(exc) for said in VISION_OFF):
+            return  # VISION off: the text-only report
+        report.add("openai image chat", model, False, f"{type(exc).__name__}: {exc}"[:300])
+        return
+    except errors as exc:
+        report.add("openai image chat", model, False, f"{type(exc).__name__}: {exc}"[:300])
+        return
+
+    def answered_chat() -> str:
+        assert first.choices[0].message.content or _reasoning(first.choices[0].message), "empty answer"
+        return f"{first.usage.prompt_tokens} prompt tokens with the image"
+
+    def answered_message() -> str:
+        message = ant.messages.create(model=model, max_tokens=MAX_TOKENS, thinking={"type": "disabled"},
+                                      messages=[{"role": "user", "content": _image_block(png_base64())}])
+        assert message.usage.output_tokens > 0, "empty answer"
+        return f"{message.usage.input_tokens} input tokens with the image"
+
+    report.run("openai image chat", model, answered_chat, errors)
+    report.run("anthropic image message", model, answered_message, errors)
+    report.run("openai not an image -> 400", model, lambda: _refused(lambda: chat(NOT_AN_IMAGE)), errors)
+    not_png = NOT_AN_IMAGE.split(",", 1)[1]
+    report.run("anthropic not an image -> 400", model, lambda: _refused(lambda: ant.messages.create(
+        model=model, max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": _image_block(not_png)}])), errors)
+
+
 def validate_clients(base_url: str, api_key: str | None, models: list[str] | None = None) -> Report:
     report = Report("validate clients", base_url)
     oai, ant = sdk_clients(base_url, api_key)
@@ -336,4 +407,5 @@ def validate_clients(base_url: str, api_key: str | None, models: list[str] | Non
             report.run(name, model, lambda check=check: check(oai, model), errors)
         for name, check in ANTHROPIC_CHECKS:
             report.run(name, model, lambda check=check: check(ant, model), errors)
+        _image_checks(report, oai, ant, model, errors)
     return report

@@ -10,7 +10,7 @@ tests/support/vision_serving.py), and the official SDKs see the answers and the 
 - Anthropic messages (the official SDK): a base64 image block is answered, its image tokens in
   the prompt (patch 0086: the engine's processor choice reaches every route); a bad one is a 400
   in Anthropic's shape;
-- `qwen38 validate apis` runs its image checks against it;
+- `qwen38 validate apis` and `validate clients` (the official SDKs) run their image checks against it;
 - the shipped `cpu` profile (a target without a tower) refuses VISION=true in one line;
 - `qwen38 plan` refuses `single`'s own pool with VISION=true and names the pool that fits.
 """
@@ -180,6 +180,18 @@ def test_validate_apis_checks_images_on_a_server_with_vision_on(server):
     assert done.returncode == 0, [c for c in report["checks"] if c["outcome"] != "pass"]
     for name in ("image chat", "image messages", "not an image -> 400", "image URL -> 400"):
         assert outcomes[name] == "pass", name
+
+
+def test_validate_clients_sends_images_through_both_sdks(server):
+    done = run_cli("validate", "clients", "--base-url", server.base_url, "--json",
+                   env={**server.env, "VLLM_API_KEY": server.api_key, "API_KEY_FILE": ""})
+    report = json.loads(done.stdout)
+    outcomes = {check["name"]: check for check in report["checks"]}
+    for name in ("openai image chat", "anthropic image message", "openai not an image -> 400",
+                 "anthropic not an image -> 400"):
+        assert outcomes[name]["outcome"] == "pass", outcomes[name]
+    assert outcomes["openai image chat"]["detail"].endswith("prompt tokens with the image")
+    assert done.returncode == 0, [c for c in report["checks"] if c["outcome"] != "pass"]
 
 
 def test_the_shipped_cpu_profile_refuses_vision_in_one_line(tmp_path, tiny_root, api_key_file):
