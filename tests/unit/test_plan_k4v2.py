@@ -119,6 +119,9 @@ def huge_variants(tmp_path_factory):
     cases = {
         "one past a block": {"max_model_len": 113 * 2176 + 1},
         "twice the pool": {"kv_cache_memory_bytes": 2 * HUGE_POOL},
+        # Reproduction mode: the 16-token block's GDN state per request, at 245,760 and at what fits.
+        "lookup": {"lookup": True},
+        "lookup at what fits": {"lookup": True, "max_model_len": 235_888},
     }
     items = []
     for values in cases.values():
@@ -140,6 +143,16 @@ def test_pool_tokens_follow_the_pool_bytes(huge_variants):
     cap = plan.serving
     assert cap.num_blocks == 2 * HUGE_POOL // cap.bytes_per_block == 726
     assert plan.pool_tokens == int(cap.num_blocks / cap.blocks_per_request_at_max_len * 245_760)
+
+
+@pytest.mark.slow
+def test_reproduction_mode_on_huge_fits_the_context_the_plan_names(huge_variants):
+    """LOOKUP=true on `huge` (docs/kv-k4v2.md): the wider verify block's state leaves 245,760 out
+    of the seed's pool, the planner names the context that fits, and that context plans."""
+    refused, fitting = huge_variants["lookup"], huge_variants["lookup at what fits"]
+    assert not refused.fits and refused.serving.max_model_len_that_fits == 235_888
+    assert "max_model_len that fits is 235,888; lower MAX_MODEL_LEN" in refused.refusal_line()
+    assert fitting.fits and fitting.pool_tokens >= 235_888
 
 
 def test_only_the_cpu_build_refuses_the_format(tmp_path):
