@@ -303,28 +303,31 @@ def _launches(roots: Sequence[Node]) -> dict[int, Node]:
     return {n.correlation: n for n in launches if n.correlation is not None}
 
 
-def cuda_step_parts(kernels: Sequence[tuple[float, float, str]], window: tuple[float, float]) -> dict[str, float]:
-    """Microseconds of one device window by part: ``kernels`` are the step's (start, end, part)."""
+def cuda_step_parts(kernels: Sequence[tuple[float, float, str, str]],
+                    window: tuple[float, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """Microseconds of one device window by part, and its ``device_idle`` by the scope that launched
+    the kernel ending each gap: ``kernels`` are the step's (start, end, part, launching scope)."""
     parts = dict.fromkeys(PARTS, 0.0)
+    idle: dict[str, float] = {}
     lo, hi = window
     if not kernels:
         parts["host_between"] = hi - lo
-        return parts
-    ordered = sorted(kernels)
+        return parts, idle
     cursor = lo
-    for start, end, part in ordered:
+    for start, end, part, scope in sorted(kernels):
         start, end = max(start, cursor), min(end, hi)
         if end <= start:
             continue
         if start > cursor:
             parts["device_idle"] += start - cursor
+            idle[scope] = idle.get(scope, 0.0) + start - cursor
         parts[part] += end - start
         cursor = end
     # Idle before the step's last kernel ended: inside the step; after it: waiting on the host. A
     # kernel the step launched that starts only after the next step's first (another stream: seen
     # on the H100 trace of 2026-12-07) is past the window and counts nowhere, its wait neither.
     parts["host_between"] += max(0.0, hi - cursor)
-    return parts
+    return parts, idle
 
 
 def analyse(trace: dict[str, Any], concurrency: int) -> dict[str, Any]:
@@ -342,8 +345,7 @@ def analyse(trace: dict[str, Any], concurrency: int) -> dict[str, Any]:
     if device:
         kind = "cuda"
         launches = _launches(roots)
-        by_step: list[list[tuple[float, float, str]]] = [[] for _ in chosen]
-        launched_in: list[list[tuple[float, float, str]]] = [[] for _ in chosen]  # (start, end, scope)
+        by_step: list[list[tuple[float, float, str, str]]] = [[] for _ in chosen]  # (start, end, part, scope)
         for e in device:
             launch = launches.get((e.get("args") or {}).get("correlation"))
             if launch is None:
@@ -355,18 +357,18 @@ def analyse(trace: dict[str, Any], concurrency: int) -> dict[str, Any]:
             own = family(e["name"]) if e.get("cat") == "kernel" else None
             part = _scoped_part(chain) or _op_part(chain, own) or "other_ops"
             start = float(e["ts"])
-            by_step[index].append((start, start + float(e.get("dur", 0.0)), part))
-            launched_in[index].append((start, start + float(e.get("dur", 0.0)), _launch_scope(chain)))
+            by_step[index].append((start, start + float(e.get("dur", 0.0)), part, _launch_scope(chain)))
         firsts = [min((k[0] for k in ks), default=None) for ks in by_step]
         for i, ks in enumerate(by_step):
             nxt = firsts[i + 1] if i + 1 < len(firsts) else None
             if not ks or nxt is None or firsts[i] is None:
                 continue  # the last chosen step has no next first kernel in the selection
             window = (firsts[i], nxt)
-            per_step.append(cuda_step_parts(ks, window))
+            parts, idle = cuda_step_parts(ks, window)
+            per_step.append(parts)
+            idle_scopes.append(idle)
             windows.append(window[1] - window[0])
             counted.append(_launch_counts(host, chosen[i], len(ks)))
-            idle_scopes.append(idle_by_scope(launched_in[i], window))
     else:
         kind = "cpu"
         for step in chosen:
@@ -414,22 +416,6 @@ def _launch_scope(chain: Sequence[Node]) -> str:
     "(no vLLM scope)"."""
     return next((n.name for n in chain if n.cat == "user_annotation" and not STEP_SCOPE.match(n.name)),
                 "(no vLLM scope)")
-
-
-def idle_by_scope(kernels: Sequence[tuple[float, float, str]], window: tuple[float, float]) -> dict[str, float]:
-    """The device idle inside ``window`` (what `cuda_step_parts` counts as ``device_idle``), each gap
-    given to the scope that launched the kernel ending it; ``kernels``: (start, end, scope)."""
-    lo, hi = window
-    out: dict[str, float] = {}
-    cursor = lo
-    for start, end, scope in sorted(kernels):
-        start, end = max(start, cursor), min(end, hi)
-        if end <= start:
-            continue
-        if start > cursor:
-            out[scope] = out.get(scope, 0.0) + start - cursor
-        cursor = end
-    return out
 
 
 # The host calls that put work on the device: each eager kernel is one launch, a CUDA graph one

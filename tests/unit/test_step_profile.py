@@ -181,9 +181,11 @@ def test_a_real_cuda_trace_splits_the_step_into_parts_that_sum_to_it_and_counts_
 
 
 def test_idle_gaps_go_to_the_scope_whose_launch_ends_them():
-    kernels = [(0, 10, "a"), (15, 20, "b"), (18, 30, "c"), (40, 45, "a"), (120, 130, "x")]
+    kernels = [(0, 10, "gemm_other", "a"), (15, 20, "norm", "b"), (18, 30, "norm", "c"), (40, 45, "gemm_other", "a"),
+               (120, 130, "norm", "x")]
     # 10-15 ends with b's launch, 30-40 with a's; c overlaps b (no gap); x starts past the window.
-    assert sp.idle_by_scope(kernels, (0, 100)) == {"b": 5, "a": 10}
+    parts, idle = sp.cuda_step_parts(kernels, (0, 100))
+    assert idle == {"b": 5, "a": 10} and parts["device_idle"] == 15
 
 
 def test_the_markdown_names_the_versions_the_command_and_every_row(cpu_trace):
