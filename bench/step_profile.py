@@ -345,6 +345,7 @@ def analyse(trace: dict[str, Any], concurrency: int) -> dict[str, Any]:
     if device:
         kind = "cuda"
         launches = _launches(roots)
+        runtime = [e for e in host if e.get("cat") in ("cuda_runtime", "cuda_driver")]  # read once, not per step
         by_step: list[list[tuple[float, float, str, str]]] = [[] for _ in chosen]  # (start, end, part, scope)
         for e in device:
             launch = launches.get((e.get("args") or {}).get("correlation"))
@@ -368,7 +369,7 @@ def analyse(trace: dict[str, Any], concurrency: int) -> dict[str, Any]:
             per_step.append(parts)
             idle_scopes.append(idle)
             windows.append(window[1] - window[0])
-            counted.append(_launch_counts(host, chosen[i], len(ks)))
+            counted.append(_launch_counts(runtime, chosen[i], len(ks)))
     else:
         kind = "cpu"
         for step in chosen:
@@ -425,8 +426,9 @@ LAUNCHES = {"device_events": (), "cudaGraphLaunch": ("cudaGraphLaunch",),
             "memcpy_memset": ("cudaMemcpyAsync", "cudaMemsetAsync", "cudaMemcpy", "cudaMemset")}
 
 
-def _launch_counts(host: Sequence[dict[str, Any]], step: Step, device_events: int) -> dict[str, int]:
-    names = [e["name"] for e in host if e.get("cat") in ("cuda_runtime", "cuda_driver") and step.start <= e["ts"] < step.end]
+def _launch_counts(runtime: Sequence[dict[str, Any]], step: Step, device_events: int) -> dict[str, int]:
+    """What the host launched inside ``step``: ``runtime`` are its CUDA runtime and driver calls."""
+    names = [e["name"] for e in runtime if step.start <= e["ts"] < step.end]
     out = {kind: sum(n in calls for n in names) for kind, calls in LAUNCHES.items()}
     out["device_events"] = device_events
     return out
