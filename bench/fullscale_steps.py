@@ -91,6 +91,7 @@ class Served:
 
 
 MARLIN_AS_ON_THE_3090 = (("VLLM_DISABLED_KERNELS", "MacheteLinearKernel"),)
+V2_RUNNER = (("VLLM_USE_V2_MODEL_RUNNER", "1"),)
 VERIFY_DEPTHS = (25_000, 128_000)  # the split-KV verify kernel's contexts (docs/split-kv.md)
 # `long` with the 16-token block: the longest request its pinned pool runs to its end (docs/lookup.md).
 LOOKUP_LONG_CONTEXT = 109_488
@@ -120,16 +121,24 @@ SERVED: dict[str, Served] = {
                                        env=(("QWEN38_SPLIT_KV", "0"),), workloads=("c1", "verify")),
     "long-nospec-full": Served("long", HEADLESS_3090_BYTES, speculation=False),
     "single-warm-full": Served("single", HEADLESS_3090_BYTES, measure=False),
-    # Many users (issue 55): `single` with the target's own MTP head instead of the drafter,
-    # `batch` (64 slots, fp8 KV, W4A8) and `batch` with W4A16 activations as before; with
-    # `--workloads users` beside `single-full` and `single-nospec-full`, the methods at C1/C8/C64.
-    # Profiled (issue 57): each method's step by part at C1 and C8 after its users table; the
-    # profiler is idle while `users` runs (only vLLM's record_function scopes are on).
-    "single-mtp-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
-                              workloads=("users", "steps"), profiled=True),
-    "single-steps-full": Served("single", HEADLESS_3090_BYTES, workloads=("users", "steps"), profiled=True),
+    # Many users (issue 55) and the step's fixed costs (issue 57): the three methods on `single`
+    # (no speculation, the target's own MTP head, DFlash2 K=7), each profiled: `c1` gives the
+    # unprofiled step, `steps` the step by part at C1 and C8 (the profiler is idle while the other
+    # workloads run: only vLLM's record_function scopes are on), then `users` the table at
+    # C1/C8/C64 (measured in MEASURE_SIZES' order: a lease that ends early has the steps).
+    # Without a drafter, and with MTP, vLLM 0.28.0 serves Qwen3.5's hybrid on its V1 model runner
+    # (only DFlash2 forces V2); the `-v2` copies are the same on the V2 runner, whose input
+    # preparation is on the device (issue 57: the V1 step's device idles on its host-side
+    # preprocess).
     "single-nospec-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False,
-                                       workloads=("users", "steps"), profiled=True),
+                                       workloads=("c1", "steps"), profiled=True),
+    "single-nospec-v2-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False, env=V2_RUNNER,
+                                          workloads=("c1", "steps"), profiled=True),
+    "single-mtp-v2-steps-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
+                                       env=V2_RUNNER, workloads=("c1", "steps"), profiled=True),
+    "single-steps-full": Served("single", HEADLESS_3090_BYTES, workloads=("c1", "users", "steps"), profiled=True),
+    "single-mtp-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
+                              workloads=("c1", "users", "steps"), profiled=True),
     # Both on Marlin, as on the 3090: Hopper would serve W4A16 with Machete, which takes no int8
     # activations (the 2026-12-07 lease measured the switch doing nothing there).
     "batch-full": Served("batch", HEADLESS_3090_BYTES, env=MARLIN_AS_ON_THE_3090, workloads=("users",)),
@@ -177,21 +186,21 @@ MEASURE_SIZES: dict[str, dict[str, Workload]] = {
              "c8": Workload("c8", ("--requests", "32")),
              "prefill": Workload("depth", DEEP, PREFILL_TOKENS, 16),
              "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 128, clamp=True),
-             "users": Workload("users", ("--concurrency", "1,8,32,64")),
-             "steps": Workload("steps", ("--concurrency", "1,8", "--steps", "32", "--trace-timeout", "240"))},
+             "steps": Workload("steps", ("--concurrency", "1,8", "--steps", "32", "--trace-timeout", "240")),
+             "users": Workload("users", ("--concurrency", "1,8,32,64"))},
     "quick": {"c1": Workload("c1", ("--requests", "2", "--output-tokens", "256")),
               "c8": Workload("c8", ("--requests", "16")),
               "prefill": Workload("depth", DEEP, PREFILL_TOKENS, 16),
               "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 48, clamp=True),
-              "users": Workload("users", ("--concurrency", "1,8,64", "--rounds", "1")),
-              "steps": Workload("steps", ("--concurrency", "1,8", "--steps", "32", "--trace-timeout", "240"))},
+              "steps": Workload("steps", ("--concurrency", "1,8", "--steps", "32", "--trace-timeout", "240")),
+              "users": Workload("users", ("--concurrency", "1,8,64", "--rounds", "1"))},
     "tiny": {"c1": Workload("c1", ("--requests", "1", "--input-tokens", "64", "--output-tokens", "24")),
              "c8": Workload("c8", ("--requests", "8", "--input-tokens", "64", "--output-tokens", "16")),
              "prefill": Workload("depth", (), (128, 512), 8),
              "verify": Workload("depth", (), (1024, 40_000), 16),
+             "steps": Workload("steps", ("--concurrency", "1", "--steps", "4", "--warmup-steps", "2")),
              "users": Workload("users", ("--concurrency", "1,4", "--rounds", "1", "--system-tokens", "64",
-                                         "--prompt-tokens", "32", "--output-tokens", "16")),
-             "steps": Workload("steps", ("--concurrency", "1", "--steps", "4", "--warmup-steps", "2"))},
+                                         "--prompt-tokens", "32", "--output-tokens", "16"))},
 }
 
 

@@ -7,24 +7,36 @@ the same `qwen38 serve` path (PROFILES_DIR points at them)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
 from core.profiles import load_profile
+from prepare.generate import DEFAULT_SEED, write_model
+from prepare.synthetic import TINY as TINY_SHAPES
 from tests.conftest import launch_server, stop_server, wait_ready
 from tests.gpu.conftest import record
+from tests.support.vision_serving import VISION_TARGET
 
 TINY_MAX_MODEL_LEN = 8192
 # The GPU profiles' slots as `qwen38 tiny` generates them (the DFlash2 drafter: drafter2).
 TINY = {"target": "tiny/target", "drafter": "tiny/drafter2"}
+# The tiny target and DFlash2 drafter with Qwen3.8's attention head size (256), generated beside
+# `qwen38 tiny`'s set by `build_head256_models`: the k4v2_g128 KV format holds only head-256
+# full-attention layers, so `huge` served on the 64-dim tiny target would keep its one attention
+# layer in bf16 and prove nothing about the format.
+HEAD256 = {"target": "tiny-head256/target", "drafter": "tiny-head256/drafter2"}
 # Several engines share one GPU: each asks for a slice at start-up (the KV pool is pinned by bytes).
 SHARE = {"gpu_memory_utilization": 0.15}
 TINY_KV_BYTES = 512 << 20
 # Hopper would pick FlashInfer's GDN prefill kernel, which needs the CUTLASS DSL; sm_86 and
 # sm_121 (the machines these profiles are for) use the Triton kernel, so the tier does too.
 GDN_TRITON = {"gdn_prefill_backend": "triton"}
+# The slots with the tiny target that has a tower (`qwen38 generate --size tiny-vision`, made beside
+# the tiny models by tests/support/vision_serving.py's `vision_models`) and the same DFlash2 drafter.
+TINY_VISION = {"target": VISION_TARGET, "drafter": TINY["drafter"]}
 
 
 def derive(name: str, models: dict[str, str], *, extra_engine: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -53,6 +65,30 @@ def derive(name: str, models: dict[str, str], *, extra_engine: dict[str, Any] | 
     data["env"] = {**data.get("env", {}), strict: tiny.env[strict]}
     engine.update(extra_engine or {})
     return data
+
+
+def derive_vision(name: str, *, extra_engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`derive` of profile ``name`` onto `TINY_VISION`, serving no adapter.
+
+    The tiny adapter is bound to the text-only target (its manifest records the target it was
+    built from, and `qwen38 verify` refuses it beside another), so a profile's adapter goes,
+    with its served id and LoRA settings (a profile has all three or none)."""
+    data = derive(name, TINY_VISION, extra_engine=extra_engine)
+    data["served"].pop("adapter", None)
+    data.pop("lora", None)
+    return data
+
+
+def build_head256_models(models_dir: Path) -> dict[str, str]:
+    """`HEAD256`'s models under ``models_dir`` (MODELS_DIR): the `tiny` preset with head_dim 256
+    (everything else, seed and generator included, as `qwen38 tiny` draws it); kept if current."""
+    shapes = replace(TINY_SHAPES, name="tiny-head256", target=replace(TINY_SHAPES.target, head_dim=256),
+                     description="the tiny target and drafters with head_dim 256 (the k4v2_g128 GPU tier)")
+    for slot, variant in (("target", "qwen3.8-27b-bf16"), ("drafter", "qwen3.8-27b-dflash2")):
+        directory = HEAD256[slot]
+        write_model(models_dir / directory, shapes, variant, DEFAULT_SEED, 1, keep_current=True,
+                    name=directory.rsplit("/", 1)[1])
+    return HEAD256
 
 
 def write_profiles(directory: Path, profiles: dict[str, dict[str, Any]]) -> Path:

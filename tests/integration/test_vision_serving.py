@@ -17,7 +17,6 @@ tests/support/vision_serving.py), and the official SDKs see the answers and the 
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import time
@@ -27,14 +26,23 @@ import openai
 import pytest
 
 from tests.conftest import CACHE_PREFIX_TOKENS, clean_env, launch_server, run_cli, stop_server, wait_ready
-from tests.support.vision_serving import data_url, png, vision_models, vision_profiles
+from tests.support.vision_serving import (
+    BAD_IMAGE_BLOCKS,
+    BAD_IMAGES,
+    MAX_PIXELS,
+    MODEL,
+    cached_image_prompt,
+    chat,
+    image_block,
+    image_part,
+    message,
+    png,
+    respond,
+    vision_models,
+    vision_profiles,
+)
 
 pytestmark = pytest.mark.integration
-
-MODEL = "qwen3.8-27b"
-MAX_PIXELS = 256 * 256  # the tiny processor's own largest image
-QUESTION = "What is in the picture?"
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_root, api_key_file):
@@ -52,16 +60,6 @@ def openai_client(server):
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0, timeout=120)
 
 
-def image_part(raw: bytes) -> dict:
-    return {"type": "image_url", "image_url": {"url": data_url(raw)}}
-
-
-def chat(client, *parts: dict):
-    content = [*parts, {"type": "text", "text": QUESTION}]
-    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
-                                          max_tokens=8, temperature=0)
-
-
 def test_an_image_through_the_openai_sdk_is_answered_with_its_tokens_in_the_prompt(openai_client):
     text = chat(openai_client).usage.prompt_tokens
     small = chat(openai_client, image_part(png((64, 64))))
@@ -73,10 +71,7 @@ def test_an_image_through_the_openai_sdk_is_answered_with_its_tokens_in_the_prom
 
 
 def test_an_image_through_the_responses_api_is_answered(openai_client):
-    content = [{"type": "input_image", "image_url": data_url(png((64, 64))), "detail": "auto"},
-               {"type": "input_text", "text": QUESTION}]
-    response = openai_client.responses.create(model=MODEL, input=[{"role": "user", "content": content}],
-                                              max_output_tokens=8, temperature=0)
+    response = respond(openai_client, png((64, 64)))
     assert response.usage.output_tokens > 0 and response.output
 
 
@@ -91,10 +86,7 @@ def test_prefix_caching_reuses_a_prompt_only_with_the_same_image(server, openai_
         text = unique_prefix(client, MODEL, CACHE_PREFIX_TOKENS)
 
     def cached(color) -> tuple[int, int]:
-        content = [image_part(png((64, 64), color)), {"type": "text", "text": text}]
-        answer = openai_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
-                                                       max_tokens=2, temperature=0)
-        return answer.usage.prompt_tokens, answer.usage.prompt_tokens_details.cached_tokens
+        return cached_image_prompt(openai_client, png((64, 64), color), text)
 
     red, blue = (200, 0, 0), (0, 0, 200)
     first = [cached(red) for _ in range(3)]
@@ -102,19 +94,6 @@ def test_prefix_caching_reuses_a_prompt_only_with_the_same_image(server, openai_
     assert first[0][1] == 0 and max(hits for _, hits in first[1:]) > 0
     assert other == (first[0][0], 0)  # the same prompt length, nothing reused from the red image's blocks
     assert max(cached(blue)[1], cached(blue)[1]) > 0 and cached(red)[1] > 0
-
-
-BAD_IMAGES = {
-    "not an image": ([image_part(b"GIF89a, then nothing an image has")], "is not an image: send a PNG, JPEG"),
-    "too many pixels": ([image_part(png((300, 300)))],
-                        "300 x 300 = 90,000 pixels, above this server's 65,536 (VISION_MAX_PIXELS)"),
-    "too many images": ([image_part(png((64, 64))), image_part(png((64, 64), (0, 0, 200)))],
-                        "2 images in one request, above this server's 1 (VISION_IMAGES_PER_PROMPT)"),
-    "an http URL": ([{"type": "image_url", "image_url": {"url": "http://203.0.113.7/cat.png"}}],
-                    "image URLs are not fetched by this server (http)"),
-    "an https URL": ([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}],
-                     "image URLs are not fetched by this server (https)"),
-}
 
 
 @pytest.mark.parametrize("case", BAD_IMAGES)
@@ -135,27 +114,9 @@ def anthropic_client(server):
     return anthropic.Anthropic(base_url=server.base_url, api_key=server.api_key, max_retries=0, timeout=120)
 
 
-def image_block(raw: bytes) -> dict:
-    return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                        "data": base64.b64encode(raw).decode()}}
-
-
-def message(client, *blocks: dict):
-    content = [*blocks, {"type": "text", "text": QUESTION}]
-    return client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": content}])
-
-
-@pytest.mark.parametrize(
-    "block, reason",
-    [
-        (image_block(b"plain text, not pixels"), "is not an image"),
-        (image_block(png((300, 300))), "above this server's 65,536 (VISION_MAX_PIXELS)"),
-        ({"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}},
-         "image URLs are not fetched by this server (https)"),
-    ],
-    ids=["not an image", "too many pixels", "a URL source"],
-)
-def test_a_bad_anthropic_image_block_is_a_400_in_anthropics_shape(anthropic_client, block, reason):
+@pytest.mark.parametrize("case", BAD_IMAGE_BLOCKS)
+def test_a_bad_anthropic_image_block_is_a_400_in_anthropics_shape(anthropic_client, case):
+    block, reason = BAD_IMAGE_BLOCKS[case]
     with pytest.raises(anthropic.BadRequestError) as refused:
         message(anthropic_client, block)
     assert refused.value.status_code == 400

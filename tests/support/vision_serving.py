@@ -6,6 +6,11 @@ target is `qwen38 generate --size tiny-vision` (the same tiny text model as a
 `Qwen3_5ForConditionalGeneration` with a generated 2-block ViT), and it serves no adapter (the
 tiny adapter is bound to the text-only target). Everything else, the engine table included, is
 the `cpu` profile's.
+
+The requests both tiers send (tests/integration/test_vision_serving.py on the CPU build,
+tests/gpu/test_vision_gpu.py on CUDA) live here too: a PNG as a chat part or an Anthropic block,
+one chat or message through the official SDKs, and the bad images with the 400 each gets from a
+server started with ``VISION_MAX_PIXELS=MAX_PIXELS`` and one image a prompt.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from prepare.generate import generate_model
 from prepare.synthetic import TINY_VISION_PRESET
 
 VISION_TARGET = "tiny/target-vision"
+MODEL = "qwen3.8-27b"
+MAX_PIXELS = 256 * 256  # the tiny processor's own largest image: the servers' VISION_MAX_PIXELS
+QUESTION = "What is in the picture?"
 
 
 def vision_profiles(directory: Path) -> Path:
@@ -59,3 +67,64 @@ def png(size: tuple[int, int], color: tuple[int, int, int] = (200, 40, 40)) -> b
 
 def data_url(raw: bytes, media_type: str = "image/png") -> str:
     return f"data:{media_type};base64,{base64.b64encode(raw).decode()}"
+
+
+def image_part(raw: bytes) -> dict:
+    """An OpenAI chat content part carrying ``raw`` as a data URL."""
+    return {"type": "image_url", "image_url": {"url": data_url(raw)}}
+
+
+def image_block(raw: bytes) -> dict:
+    """An Anthropic content block carrying ``raw`` as base64."""
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                        "data": base64.b64encode(raw).decode()}}
+
+
+def chat(client, *parts: dict, **extra):
+    """One greedy chat completion (8 tokens) of ``parts`` and the question, through the OpenAI SDK."""
+    content = [*parts, {"type": "text", "text": QUESTION}]
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          max_tokens=8, temperature=0, **extra)
+
+
+def respond(client, raw: bytes):
+    """One greedy Responses API answer (8 tokens) to an ``input_image`` of ``raw`` and the question."""
+    content = [{"type": "input_image", "image_url": data_url(raw), "detail": "auto"},
+               {"type": "input_text", "text": QUESTION}]
+    return client.responses.create(model=MODEL, input=[{"role": "user", "content": content}],
+                                   max_output_tokens=8, temperature=0)
+
+
+def cached_image_prompt(client, raw: bytes, text: str, **extra) -> tuple[int, int]:
+    """(prompt tokens, cached tokens) of one chat of the image ``raw`` followed by ``text`` (OpenAI SDK)."""
+    content = [image_part(raw), {"type": "text", "text": text}]
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                            max_tokens=2, temperature=0, **extra)
+    return answer.usage.prompt_tokens, answer.usage.prompt_tokens_details.cached_tokens
+
+
+def message(client, *blocks: dict):
+    """One message (8 tokens) of ``blocks`` and the question, through the Anthropic SDK."""
+    content = [*blocks, {"type": "text", "text": QUESTION}]
+    return client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": content}])
+
+
+# case -> (chat content parts, an excerpt of the 400's message) on a server of MAX_PIXELS and one image a prompt
+BAD_IMAGES = {
+    "not an image": ([image_part(b"GIF89a, then nothing an image has")], "is not an image: send a PNG, JPEG"),
+    "too many pixels": ([image_part(png((300, 300)))],
+                        "300 x 300 = 90,000 pixels, above this server's 65,536 (VISION_MAX_PIXELS)"),
+    "too many images": ([image_part(png((64, 64))), image_part(png((64, 64), (0, 0, 200)))],
+                        "2 images in one request, above this server's 1 (VISION_IMAGES_PER_PROMPT)"),
+    "an http URL": ([{"type": "image_url", "image_url": {"url": "http://203.0.113.7/cat.png"}}],
+                    "image URLs are not fetched by this server (http)"),
+    "an https URL": ([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}],
+                     "image URLs are not fetched by this server (https)"),
+}
+# case -> (an Anthropic content block, an excerpt of the 400's message), on the same server
+BAD_IMAGE_BLOCKS = {
+    "not an image": (image_block(b"plain text, not pixels"), "is not an image"),
+    "too many pixels": (image_block(png((300, 300))), "above this server's 65,536 (VISION_MAX_PIXELS)"),
+    "a URL source": ({"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}},
+                     "image URLs are not fetched by this server (https)"),
+}

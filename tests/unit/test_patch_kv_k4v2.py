@@ -18,15 +18,12 @@ import torch
 
 from core.profiles import load_profile
 from tests.split_kv_support import REPO, load_triton_file
+from tests.support.kv_k4v2 import DEQ_ATOL, DEQ_RTOL, HEAD_DIM, KERNEL_FILE, NUM_KV_HEADS, NUM_Q_HEADS, SCALE
 from tests.support.plans import user_settings
 from tests.support.vllm_views import json_in_views, last_json_line, run_python, view_without, vllm_views  # noqa: F401
 
-KERNEL_FILE = REPO / "patches" / "src" / "v1" / "attention" / "ops" / "qwen38_kv_k4v2.py"
 PATCH = "0047-k4v2-kv-cache-dtype.patch"
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 24, 4, 256
-SCALE = HEAD_DIM**-0.5
 VLLM_BLOCK = 256  # two 128-token pages per vLLM block, as `huge`'s 2,176-token block is 17
-DEQ_ATOL, DEQ_RTOL = 2e-3, 2.0**-7  # kernel vs the dequantized cache (test_kv_k4v2.py)
 
 CONFIG = r"""
 import json

@@ -1,0 +1,88 @@
+"""`single` without a drafter on vLLM's V2 model runner, at tiny size (issue 57).
+
+vLLM 0.28.0 serves Qwen3.5's hybrid on its V1 runner unless told otherwise (only a DFlash2
+drafter forces V2); the V1 runner prepares each step's inputs on the host, and at full size the
+device idles on that (docs/step-profile.md). ``VLLM_USE_V2_MODEL_RUNNER=1`` in a profile's
+[env] moves them to the V2 runner, whose input preparation runs on the device. Before a profile
+takes it, the V2 copies must serve as the V1 ones do: `single` with speculation off and with the
+target's own MTP head, on the V2 runner (its load line, not V1's), MTP's greedy tokens exactly
+V2's own speculation-off tokens (lossless), the runner itself changing none of the V1
+reference's first 16 tokens, the planned pool the engine's, `validate apis` passing, drafts
+counted. `bench fullscale`'s `-v2` copies measure the step at full size.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import spec_decode_delta
+from tests.gpu.conftest import record
+from tests.gpu.test_profiles_gpu import PROMPTS, _cli, _greedy
+from tests.gpu.tiny_profiles import TINY, TinyServers, derive
+from tests.support.kv_pool import pools
+
+pytestmark = pytest.mark.gpu
+
+SHARE = {"gpu_memory_utilization": 0.1}
+V2_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+NOSPEC, MTP = {"SPECULATION": "false"}, {"SPECULATION": "mtp"}
+# key -> (profile file, qwen38 serve's settings); the profiles differ only in [env].
+SERVED = {
+    "v1-nospec": ("single-tiny", NOSPEC),
+    "v2-nospec": ("single-v2-tiny", NOSPEC),
+    "v2-mtp": ("single-v2-tiny", MTP),
+}
+# The runners' lines as the model loads: V2's and V1's (vLLM 0.28.0's model runners).
+V2_LOAD_LINE, V1_LOAD_LINE = "Loading model from scratch", "Starting to load model"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tiny_root, api_key_file):
+    v1 = derive("single", TINY, extra_engine=SHARE)
+    v2 = derive("single", TINY, extra_engine=SHARE)
+    v2["env"] = {**v2.get("env", {}), **V2_RUNNER}
+    s = TinyServers(tmp_path_factory, tiny_root, api_key_file, {"single-tiny": v1, "single-v2-tiny": v2}, SERVED,
+                    label="v2-runner.")
+    try:
+        s.launch("v1-nospec")
+        s.gate("v1-nospec")
+        for key in ("v2-nospec", "v2-mtp"):
+            s.launch(key)
+        yield s
+    finally:
+        s.stop_all()
+
+
+@pytest.mark.parametrize("key", list(SERVED))
+def test_each_copy_runs_on_the_runner_its_profile_names(servers, key):
+    log = servers.gated(key).log.read_text(errors="replace")
+    v2 = key.startswith("v2")
+    assert (V2_LOAD_LINE in log, V1_LOAD_LINE in log) == (v2, not v2), log[-3000:]
+
+
+def test_mtp_on_the_v2_runner_drafts_and_is_lossless(servers):
+    server = servers.gated("v2-mtp")
+    request = {"model": "qwen3.8-27b", "prompt": PROMPTS[1], "max_tokens": 32, "temperature": 0}
+    moved = spec_decode_delta(server, request)
+    record("v2-runner.v2-mtp.spec", moved)
+    assert moved["drafts"] > 0 and moved["draft_tokens"] == 4 * moved["drafts"]  # MTP_DEPTH's default
+    assert _greedy(server) == _greedy(servers.gated("v2-nospec"))
+
+
+def test_the_runner_changes_no_early_greedy_token(servers):
+    v2, v1 = _greedy(servers.gated("v2-nospec")), _greedy(servers.gated("v1-nospec"))
+    same = sum(a == b for g, p in zip(v2, v1) for a, b in zip(g, p))
+    record("v2-runner.greedy_tokens_equal_to_v1", f"{same}/{sum(map(len, v1))}")
+    assert [g[:16] for g in v2] == [p[:16] for p in v1]
+
+
+@pytest.mark.parametrize("key", list(SERVED))
+def test_plan_equals_the_pool_the_cuda_engine_logs(servers, key):
+    found = pools(servers.gated(key).log.read_text(errors="replace"))
+    record(f"v2-runner.{key}.pool_tokens", {"planned": found.planned_tokens, "engine": found.engine_tokens})
+    assert (found.planned_tokens, found.planned_concurrency) == (found.engine_tokens, found.engine_concurrency)
+
+
+@pytest.mark.parametrize("key", ["v2-nospec", "v2-mtp"])
+def test_validate_apis(servers, key):
+    _cli(servers.gated(key), "validate", "apis")

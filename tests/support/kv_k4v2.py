@@ -1,0 +1,89 @@
+"""The k4v2_g128 KV cache's test shape and error bounds, and the checks the interpreter tests
+(tests/unit/test_kv_k4v2.py) and the GPU tier (tests/gpu/test_kv_k4v2_gpu.py) share: one home
+for the bounds, so the CPU proof and the CUDA proof hold the kernels to the same numbers.
+
+Needs only torch (the kernel module needs triton): no vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tests.split_kv_support import REPO, load_triton_file
+
+KERNEL_FILE = REPO / "patches" / "src" / "v1" / "attention" / "ops" / "qwen38_kv_k4v2.py"
+# Qwen3.8-27B's full-attention layers.
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 24, 4, 256
+SCALE = HEAD_DIM**-0.5
+
+# Quantization error on random N(0,1) K/V and q (diffuse attention, the hard case for
+# 2-bit values: the output is a mean of many quantized rows). Measured (docs/kv-k4v2.md):
+# relative Frobenius error 0.50-0.52, minimum per-row cosine 0.84-0.88, max abs 0.06
+# (ctx 4200) to 0.38 (ctx 130, where fewer rows are averaged).
+MAX_REL_ERROR_VS_BF16 = 0.60
+MIN_COSINE_VS_BF16 = 0.80
+MAX_ABS_ERROR_VS_BF16 = 0.50
+# Against the dequantized cache the kernel differs only by float rounding: the fp16
+# P.V operand (2^-11 relative per term) and the bf16 output (2^-8 relative).
+DEQ_ATOL, DEQ_RTOL = 2e-3, 2.0**-7
+# The same, as a relative Frobenius error: at long contexts the output of diffuse attention
+# is smaller than DEQ_ATOL (about 1/sqrt(context): 2e-3 at 245,760 tokens), so the elementwise
+# bound alone would pass a kernel that wrote zeros. Rounding errs about 2^-9 relative (the bf16
+# output) plus the fp16 operands' averaged share; 2^-6 leaves room and still fails a kernel
+# off by a page, a head or a split (errors of order 1).
+DEQ_MAX_REL_ERROR = 2.0**-6
+
+
+def load_k4v2(*, interpret: bool):
+    """The k4v2 kernel module from patches/src (see `load_triton_file`)."""
+    return load_triton_file(KERNEL_FILE, "qwen38_kv_k4v2", interpret=interpret)
+
+
+@dataclass(frozen=True)
+class AttentionErrors:
+    """The kernel's output against float32 attention over the dequantized cache (``deq_*``:
+    kernel bugs) and over the unquantized bf16 K/V (``bf16_*``: the format's error)."""
+
+    deq_max_abs: float
+    deq_rel: float
+    deq_within_elementwise: bool
+    bf16_rel: float
+    bf16_min_cos: float
+    bf16_max_abs: float
+
+    def line(self) -> str:
+        return (f"kernel-vs-deq max {self.deq_max_abs:.2e} rel {self.deq_rel:.2e}; vs bf16 rel {self.bf16_rel:.3f} "
+                f"min cos {self.bf16_min_cos:.3f} max abs {self.bf16_max_abs:.3f}")
+
+    def failures(self, *, check_deq_rel: bool = True) -> list[str]:
+        """What is out of bounds, one line each (empty: all within)."""
+        found = []
+        if not self.deq_within_elementwise:
+            found.append(f"kernel vs dequantized: max abs {self.deq_max_abs:.3e} beyond {DEQ_ATOL} + {DEQ_RTOL} |ref|")
+        if check_deq_rel and not self.deq_rel <= DEQ_MAX_REL_ERROR:
+            found.append(f"kernel vs dequantized: rel error {self.deq_rel:.3e} > {DEQ_MAX_REL_ERROR:.3e}")
+        if not self.bf16_rel <= MAX_REL_ERROR_VS_BF16:
+            found.append(f"vs bf16 K/V: rel error {self.bf16_rel:.3f} > {MAX_REL_ERROR_VS_BF16}")
+        if not self.bf16_min_cos >= MIN_COSINE_VS_BF16:
+            found.append(f"vs bf16 K/V: min cosine {self.bf16_min_cos:.3f} < {MIN_COSINE_VS_BF16}")
+        if not self.bf16_max_abs <= MAX_ABS_ERROR_VS_BF16:
+            found.append(f"vs bf16 K/V: max abs {self.bf16_max_abs:.3f} > {MAX_ABS_ERROR_VS_BF16}")
+        return found
+
+
+def attention_errors(out: torch.Tensor, ref_deq: torch.Tensor, ref_bf16: torch.Tensor) -> AttentionErrors:
+    """`AttentionErrors` of ``out`` (bf16, (tokens, heads, d)) against the two float32 references;
+    a non-finite output fails every bound (NaN compares false)."""
+    got = out.float()
+    err = (got - ref_deq).abs()
+    finite = bool(torch.isfinite(got).all())
+    within = finite and bool((err <= DEQ_ATOL + DEQ_RTOL * ref_deq.abs()).all())
+    diff = got - ref_bf16
+    cos = torch.nn.functional.cosine_similarity(got.flatten(0, 1), ref_bf16.flatten(0, 1), dim=-1)
+    return AttentionErrors(
+        deq_max_abs=float(err.max()), deq_rel=float((got - ref_deq).norm() / ref_deq.norm()),
+        deq_within_elementwise=within, bf16_rel=float(diff.norm() / ref_bf16.norm()),
+        bf16_min_cos=float(cos.min()), bf16_max_abs=float(diff.abs().max()),
+    )
