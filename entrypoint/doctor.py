@@ -366,10 +366,12 @@ def _addresses(run: Runner, interface: str) -> list[str] | None:
     return [info["local"] for entry in entries for info in entry.get("addr_info", []) if "local" in info]
 
 
-def weights_size(settings, profile: Profile) -> int:
+def weights_size(settings, profile: Profile, reads_drafter: bool = True) -> int:
+    """Bytes of the model directories the engine reads: the drafter's only where the chosen
+    speculation drafts with it (``reads_drafter``: False for SPECULATION=mtp or off)."""
     total = 0
-    for _name, slot in profile.models:
-        if slot is not None:
+    for name, slot in profile.models:
+        if slot is not None and (name != "drafter" or reads_drafter):
             directory = Path(settings.models_dir) / slot.dir
             if directory.is_dir():
                 total += directory_size(directory)

@@ -15,11 +15,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     settings = load_settings(profile=args.profile)
     profile = load_settings_profile(settings)
+    resolved = resolve_on_this_host(profile, settings)
     findings = doctor.diagnose(
         profile,
-        resolve_on_this_host(profile, settings),
+        resolved,
         cache_dir=settings.cache_dir,
-        weights_bytes=doctor.weights_size(settings, profile),
+        weights_bytes=doctor.weights_size(settings, profile, reads_drafter=resolved.reads_drafter),
     )
     for finding in findings:
         print(finding.line())

@@ -261,3 +261,20 @@ def test_a_pair_host_with_the_wrong_address_missing_knobs_or_absent_rdma_is_told
     bare = pair_findings(tmp_path / "b", "192.168.100.10", head_address=None, network_interface=None)
     assert bare["hosts"].level == "blocker"
     assert "set HEAD_ADDRESS, NETWORK_INTERFACE on the head" in bare["hosts"].detail
+
+
+def test_the_weights_counted_are_the_directories_the_engine_reads(tmp_path):
+    """With SPECULATION=mtp or off the engine reads no drafter: its directory is not counted
+    against the card's memory (the DFlash2 drafter's bytes would make a fitting MTP start look
+    short)."""
+    from core.settings import Settings
+    from entrypoint.doctor import weights_size
+
+    profile = load_profile("single")
+    for slot, size in (("target", 3000), ("drafter", 500)):
+        directory = tmp_path / getattr(profile.models, slot).dir
+        directory.mkdir(parents=True)
+        (directory / "model.safetensors").write_bytes(b"\0" * size)
+    settings = Settings(models_dir=str(tmp_path))
+    assert weights_size(settings, profile) == 3500
+    assert weights_size(settings, profile, reads_drafter=False) == 3000
