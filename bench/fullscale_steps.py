@@ -130,15 +130,15 @@ SERVED: dict[str, Served] = {
     # (only DFlash2 forces V2); the `-v2` copies are the same on the V2 runner, whose input
     # preparation is on the device (issue 57: the V1 step's device idles on its host-side
     # preprocess).
+    "single-mtp-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
+                              workloads=("c1", "users", "steps"), profiled=True),
+    "single-mtp-v2-steps-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
+                                       env=V2_RUNNER, workloads=("c1", "steps"), profiled=True),
     "single-steps-full": Served("single", HEADLESS_3090_BYTES, workloads=("c1", "steps"), profiled=True),
     "single-nospec-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False,
                                        workloads=("c1", "steps"), profiled=True),
     "single-nospec-v2-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False, env=V2_RUNNER,
                                           workloads=("c1", "steps"), profiled=True),
-    "single-mtp-v2-steps-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
-                                       env=V2_RUNNER, workloads=("c1", "steps"), profiled=True),
-    "single-mtp-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
-                              workloads=("c1", "users", "steps"), profiled=True),
     # Both on Marlin, as on the 3090: Hopper would serve W4A16 with Machete, which takes no int8
     # activations (the 2026-12-07 lease measured the switch doing nothing there).
     "batch-full": Served("batch", HEADLESS_3090_BYTES, env=MARLIN_AS_ON_THE_3090, workloads=("users",)),
