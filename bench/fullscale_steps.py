@@ -130,10 +130,10 @@ SERVED: dict[str, Served] = {
     # (only DFlash2 forces V2); the `-v2` copies are the same on the V2 runner, whose input
     # preparation is on the device (issue 57: the V1 step's device idles on its host-side
     # preprocess).
-    "single-mtp-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
-                              workloads=("c1", "users", "steps"), profiled=True),
     "single-mtp-v2-steps-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
                                        env=V2_RUNNER, workloads=("c1", "steps"), profiled=True),
+    "single-mtp-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
+                              workloads=("c1", "users", "steps"), profiled=True),
     "single-steps-full": Served("single", HEADLESS_3090_BYTES, workloads=("c1", "steps"), profiled=True),
     "single-nospec-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False,
                                        workloads=("c1", "steps"), profiled=True),

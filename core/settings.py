@@ -59,6 +59,9 @@ DEFAULT_IMAGES_PER_PROMPT = 1
 DEFAULT_MAX_PIXELS = 2_097_152
 MIN_MAX_PIXELS = 32 * 32
 MAX_IMAGES_PER_PROMPT = 16
+# A VISION_URL_DOMAINS item: DNS labels or an IPv4 address, as urllib3 gives a URL's hostname
+# (lower-cased; vLLM compares that string exactly, so a trailing dot would match nothing).
+URL_DOMAIN = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*"
 IMAGE_REFERENCE = r"^[a-z0-9]+([._/:-][a-z0-9]+)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$"
 
 
@@ -180,7 +183,7 @@ class Settings(BaseSettings):
         None,
         "overrides",
         "Images in: load the checkpoint's vision tower and accept images (OpenAI `image_url` parts as data URLs, "
-        "Anthropic base64 `image` blocks; http(s) URLs are refused, the server fetches nothing). Empty or "
+        "Anthropic base64 `image` blocks; http(s) URLs only from VISION_URL_DOMAINS' hosts). Empty or "
         "false: text only (every shipped profile's default). The target must carry a tower "
         "(`vision_config` in its config.json). docs/vision.md.",
         example="",
@@ -204,6 +207,14 @@ class Settings(BaseSettings):
         shown=f"`{DEFAULT_MAX_PIXELS}`",
         ge=MIN_MAX_PIXELS,
         le=1 << 26,
+    )
+    vision_url_domains: str | None = _knob(
+        None,
+        "overrides",
+        "With VISION on: hosts the server may fetch http(s) image URLs from, comma-separated names or IPv4 "
+        "addresses matched exactly (no subdomains, no wildcards, no ports), redirects not followed. Empty: "
+        "it fetches nothing, images come inline. docs/vision.md.",
+        example="",
     )
     shutdown_timeout: int | None = _knob(
         None,
@@ -463,6 +474,15 @@ class Settings(BaseSettings):
                 raise ValueError(f"not an IP address or host name: {value!r}") from None
         return value
 
+    @field_validator("vision_url_domains")
+    @classmethod
+    def _valid_url_domains(cls, value: str | None) -> str | None:
+        """Host names as vLLM's allow-list compares them (urllib3's lower-cased hostname), in one
+        canonical spelling; anything a URL carries beside the host is refused, not stripped."""
+        if value is None:
+            return value
+        return ",".join(url_domain(item) for item in value.split(","))
+
     @field_validator("publish_address", "monitoring_address", "head_address", "node_address")
     @classmethod
     def _valid_publish_address(cls, value: str | None) -> str | None:
@@ -506,6 +526,27 @@ class Settings(BaseSettings):
         if self.vllm_api_key is not None:
             return "environment variable VLLM_API_KEY"
         return None
+
+
+def url_domain(item: str) -> str:
+    """One VISION_URL_DOMAINS item, lower-cased; ValueError naming what is wrong with it."""
+    name = item.strip().lower()
+    if not name:
+        raise ValueError("an empty item: write host names separated by single commas, e.g. images.lan,10.0.0.5")
+    for found, what in (("://", "a scheme"), ("/", "a path"), ("*", "a wildcard"), ("@", "a user name"),
+                        (":", "a port or an IPv6 address")):
+        if found in name:
+            raise ValueError(f"{name!r} carries {what}: write the host name alone (images.lan, 10.0.0.5)")
+    if re.search(r"\s", name):
+        raise ValueError(f"{name!r} has whitespace inside: write one host name per item")
+    if not re.fullmatch(URL_DOMAIN, name):
+        raise ValueError(f"{name!r} is not a host name: letters, digits, '-' and '.' (images.lan, 10.0.0.5)")
+    return name
+
+
+def url_domains(value: str | None) -> tuple[str, ...]:
+    """The hosts of a validated VISION_URL_DOMAINS (none when unset)."""
+    return tuple(value.split(",")) if value else ()
 
 
 def is_loopback(host: str) -> bool:

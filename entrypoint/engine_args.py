@@ -123,7 +123,11 @@ def vision_args(resolved: ResolvedEngine) -> dict[str, Any]:
     the image processor capped at the setting's pixels (the size vLLM profiles the encoder with)."""
     if resolved.vision is None:
         return {}
+    # vLLM's own check of the URL hosts our API layer lets through (its empty list allows any
+    # host: our layer alone then refuses every URL). Redirects are off (`entrypoint.launch._engine_env`).
+    domains = {"allowed-media-domains": list(resolved.vision.url_domains)} if resolved.vision.url_domains else {}
     return {
+        **domains,
         "limit-mm-per-prompt": {"image": resolved.vision.images_per_prompt, "video": 0},
         "mm-processor-kwargs": {"max_pixels": resolved.vision.max_pixels, **resolved.vision.processor_kwargs},
         # No processor cache: with it, vLLM 0.28.0 runs the HF processor on a prompt's text

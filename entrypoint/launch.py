@@ -127,6 +127,13 @@ def _engine_env(resolved: ResolvedEngine, settings: Settings, api_key: SecretStr
     if resolved.vision is not None:
         # What our API layer lets through (entrypoint.image_requests); without it, no images at all.
         env[VISION_ENV] = resolved.vision.model_dump_json()
+        if resolved.vision.url_domains:
+            # vLLM checks the host of the URL as sent, then follows redirects wherever they
+            # lead: an open redirect on an allowed host would fetch from any other.
+            env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] = "0"
+            # One try: vLLM's default three (1x, 4x, 16x VLLM_IMAGE_FETCH_TIMEOUT with pauses)
+            # keep a client of a dead LAN host waiting ~110 s for its 4xx.
+            env["VLLM_MEDIA_FETCH_MAX_RETRIES"] = "1"
     if api_key is not None:
         # Our guard's variable, not VLLM_API_KEY: vLLM would install its own narrower check beside it.
         env[API_KEY_ENV] = api_key.get_secret_value()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from core.errors import SettingsError
 from core.profiles import MAX_VERIFY_BLOCK, Profile, Speculative
-from core.settings import DEFAULT_IMAGES_PER_PROMPT, DEFAULT_MAX_PIXELS, SPECULATION_METHODS, Settings
+from core.settings import DEFAULT_IMAGES_PER_PROMPT, DEFAULT_MAX_PIXELS, SPECULATION_METHODS, Settings, url_domains
 from entrypoint.resolved_engine import (
     ResolvedEngine,
     ResolvedLora,
@@ -191,7 +191,8 @@ def resolve_vision(profile: Profile, settings: Settings) -> ResolvedVision | Non
     (`entrypoint.model_configs.check_model_limits`)."""
     if not settings.vision:
         for knob, value in (("VISION_IMAGES_PER_PROMPT", settings.vision_images_per_prompt),
-                            ("VISION_MAX_PIXELS", settings.vision_max_pixels)):
+                            ("VISION_MAX_PIXELS", settings.vision_max_pixels),
+                            ("VISION_URL_DOMAINS", settings.vision_url_domains)):
             if value is not None:
                 raise SettingsError(
                     f"{knob}={value}: vision is off for profile {profile.name}; set VISION=true or unset {knob}"
@@ -201,6 +202,7 @@ def resolve_vision(profile: Profile, settings: Settings) -> ResolvedVision | Non
         images_per_prompt=settings.vision_images_per_prompt or DEFAULT_IMAGES_PER_PROMPT,
         max_pixels=settings.vision_max_pixels or DEFAULT_MAX_PIXELS,
         processor_kwargs=processor_kwargs(profile.platform),
+        url_domains=url_domains(settings.vision_url_domains),
     )
 
 

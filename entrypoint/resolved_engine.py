@@ -73,6 +73,9 @@ class ResolvedVision(_Frozen):
     # The image processor's options beside the pixel cap (vLLM's mm_processor_kwargs): the CPU
     # build's PIL processor, see `entrypoint.resolve.processor_kwargs`.
     processor_kwargs: dict[str, Any]
+    # Hosts image URLs may be fetched from (VISION_URL_DOMAINS; empty: none, images come inline):
+    # our API layer's allow-list and vLLM's --allowed-media-domains.
+    url_domains: tuple[str, ...] = ()
 
 
 class ResolvedParallel(_Frozen):

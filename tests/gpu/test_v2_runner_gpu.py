@@ -8,10 +8,14 @@ takes it, the V2 copies must serve as the V1 ones do: `single` with speculation 
 target's own MTP head, on the V2 runner (its load line, not V1's), MTP's greedy tokens exactly
 V2's own speculation-off tokens (lossless), the runner itself changing none of the V1
 reference's first 16 tokens, the planned pool the engine's, `validate apis` passing, drafts
-counted. `bench fullscale`'s `-v2` copies measure the step at full size.
+counted. At this size a step is almost all fixed cost (launches, host work): `bench c1` on each
+copy records what the runner changes there (a record, not a bound); `bench fullscale`'s `-v2`
+copies measure the step at full size.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -30,6 +34,7 @@ NOSPEC, MTP = {"SPECULATION": "false"}, {"SPECULATION": "mtp"}
 SERVED = {
     "v1-nospec": ("single-tiny", NOSPEC),
     "v2-nospec": ("single-v2-tiny", NOSPEC),
+    "v1-mtp": ("single-tiny", MTP),
     "v2-mtp": ("single-v2-tiny", MTP),
 }
 # The runners' lines as the model loads: V2's and V1's (vLLM 0.28.0's model runners).
@@ -46,7 +51,7 @@ def servers(tmp_path_factory, tiny_root, api_key_file):
     try:
         s.launch("v1-nospec")
         s.gate("v1-nospec")
-        for key in ("v2-nospec", "v2-mtp"):
+        for key in ("v2-nospec", "v1-mtp", "v2-mtp"):
             s.launch(key)
         yield s
     finally:
@@ -86,3 +91,14 @@ def test_plan_equals_the_pool_the_cuda_engine_logs(servers, key):
 @pytest.mark.parametrize("key", ["v2-nospec", "v2-mtp"])
 def test_validate_apis(servers, key):
     _cli(servers.gated(key), "validate", "apis")
+
+
+def test_bench_c1_on_each_runner(servers, tmp_path):
+    """One stream's decode on each copy, one after another (the others idle): the tiny model's
+    step is the fixed cost the V2 runner is to cut (docs/step-profile.md). Recorded only."""
+    for key in SERVED:
+        out = tmp_path / f"{key}.json"
+        _cli(servers.gated(key), "bench", "c1", "--model", "qwen3.8-27b", "--input-tokens", "256",
+             "--output-tokens", "256", "--requests", "3", "--out", str(out))
+        summary = json.loads(out.read_text())
+        record(f"v2-runner.{key}.bench_c1", summary.get("summary", summary))

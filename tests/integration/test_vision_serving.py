@@ -5,8 +5,13 @@ tests/support/vision_serving.py), and the official SDKs see the answers and the 
 - OpenAI chat completions and Responses with a PNG data URL are answered; the prompt grows by the
   image's tokens (64 x 64: 4, 128 x 128: 16, plus the vision start and end tokens); prefix caching
   reuses a prompt's blocks only with the same image;
-- not an image, too many pixels, too many images, an http URL: 400 with the reason, and the
-  server answers the next request;
+- not an image, too many pixels, too many images, an http URL on a host not listed: 400 with the
+  reason, and the server answers the next request;
+- image URLs (VISION_URL_DOMAINS=127.0.0.1, a web server of the test's): a PNG there is fetched
+  and answered with the data URL's prompt tokens (OpenAI and Anthropic `url` sources), one above
+  the pixel cap shrunk to it; another host is the guard's 400 with nothing fetched; a redirect
+  (not followed), a 404, not an image, a timeout and a refused connection are 4xx with the reason
+  (never vLLM's empty 500), and the server keeps serving;
 - Anthropic messages (the official SDK): a base64 image block is answered, its image tokens in
   the prompt (patch 0086: the engine's processor choice reaches every route); a bad one is a 400
   in Anthropic's shape;
@@ -25,16 +30,20 @@ import anthropic
 import openai
 import pytest
 
-from tests.conftest import CACHE_PREFIX_TOKENS, clean_env, launch_server, run_cli, stop_server, wait_ready
+from tests.conftest import CACHE_PREFIX_TOKENS, clean_env, free_port, launch_server, run_cli, stop_server, wait_ready
 from tests.support.vision_serving import (
     BAD_IMAGE_BLOCKS,
     BAD_IMAGES,
+    IMAGE_HOST,
     MAX_PIXELS,
     MODEL,
+    URL_REFUSED,
     cached_image_prompt,
     chat,
     image_block,
+    image_host,
     image_part,
+    image_url_part,
     message,
     png,
     respond,
@@ -50,7 +59,10 @@ def server(tmp_path_factory, tiny_root, api_key_file):
     models = vision_models(tmp / "models", tiny_root)
     profiles = vision_profiles(tmp / "profiles")
     launched = launch_server(tmp, models, api_key_file, "cpu-vision", PROFILES_DIR=str(profiles), VISION="true",
-                             VISION_MAX_PIXELS=str(MAX_PIXELS))
+                             VISION_MAX_PIXELS=str(MAX_PIXELS), VISION_URL_DOMAINS=IMAGE_HOST,
+                             # vLLM's 5 s fetch timeout, tried thrice (x 4 each time), would hold the
+                             # timeout test 110 s: 1 s makes it 26 s, and tests the same path.
+                             VLLM_IMAGE_FETCH_TIMEOUT="1")
     yield wait_ready(launched)
     stop_server(launched)
 
@@ -186,3 +198,82 @@ def test_plan_refuses_singles_own_pool_with_vision_and_the_pool_it_names_fits(tm
     plan = json.loads(fits.stdout)
     assert fits.returncode == 0 and plan["fits"] and plan["vision"]["tower_bytes"] == 921_460_192
     assert plan["serving"]["max_model_len_that_fits"] >= int(context)
+
+
+# ---- image URLs from VISION_URL_DOMAINS' hosts ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def images():
+    with image_host() as host:
+        yield host
+
+
+def _url(images, path: str) -> str:
+    return f"http://{IMAGE_HOST}:{images.server_address[1]}{path}"
+
+
+def _fetch(server, url: str, path: str = "/v1/chat/completions", **extra) -> tuple[int, dict, float]:
+    """One chat naming the image at ``url`` (raw HTTP: the status as sent); status, body, seconds."""
+    import httpx
+
+    content = [image_url_part(url), {"type": "text", "text": "What is in the picture?"}]
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": content}]}
+    began = time.monotonic()
+    answer = httpx.post(f"{server.base_url}{path}", json=body, timeout=300,
+                        headers={"Authorization": f"Bearer {server.api_key}"})
+    return answer.status_code, answer.json(), time.monotonic() - began
+
+
+def test_an_image_url_on_the_listed_host_is_fetched_and_answered_like_its_data_url(openai_client, anthropic_client,
+                                                                                    images):
+    inline = chat(openai_client, image_part(png((64, 64))))
+    fetched = chat(openai_client, image_url_part(_url(images, "/cat.png")))
+    assert fetched.usage.completion_tokens == 8
+    assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens  # 4 image tokens + start and end
+    block = {"type": "image", "source": {"type": "url", "url": _url(images, "/cat.png")}}
+    by_url, by_data = message(anthropic_client, block), message(anthropic_client, image_block(png((64, 64))))
+    assert by_url.usage.input_tokens == by_data.usage.input_tokens and by_url.usage.output_tokens > 0
+    assert images.requests.count("/cat.png") >= 2
+
+
+def test_a_fetched_image_above_the_pixel_cap_is_shrunk_to_it_not_refused(openai_client, images):
+    """The cap of a fetched image cannot be checked before vLLM fetches it: the processor
+    (max_pixels 65,536) resizes 300 x 300 to 256 x 256, 64 image tokens, as it would any image."""
+    text = chat(openai_client).usage.prompt_tokens
+    fetched = chat(openai_client, image_url_part(_url(images, "/big.png")))
+    assert fetched.usage.prompt_tokens - text == 64 + 2
+
+
+def test_an_image_url_on_a_host_not_listed_is_a_400_from_the_guard(server, images):
+    before = list(images.requests)
+    status, body, _ = _fetch(server, f"http://localhost:{images.server_address[1]}/cat.png")
+    assert status == 400
+    assert body["error"]["message"].startswith(f"{URL_REFUSED} ({IMAGE_HOST}); host localhost is not one: send the "
+                                               "image inline (OpenAI: data:image/png;base64,...")
+    assert images.requests == before  # nothing fetched
+
+
+@pytest.mark.parametrize(
+    "path, status, reason",
+    [
+        ("/elsewhere.png", 400, "is not an image: the URL must answer 200 with the image itself (redirects are not "
+                                "followed)"),
+        ("/missing.png", 422, "Failed to fetch media from URL: HTTP 404 error"),
+        ("/text.png", 400, "Failed to load image: cannot identify image file"),
+        ("/slow.png", 422, "): no answer within VLLM_IMAGE_FETCH_TIMEOUT (1 s, one try)"),
+        ("a port nothing listens on", 422, "could not be fetched (ClientConnectorError: Cannot connect to host"),
+    ],
+)
+def test_a_failed_fetch_is_a_4xx_with_the_reason_and_the_server_keeps_serving(server, openai_client, images, path,
+                                                                              status, reason):
+    """vLLM 0.28.0 reads a redirect's body as the image (redirects are off: the host named in the
+    redirect is never asked), answers a 404 with 422, and a timeout or a refused connection (after
+    its three tries: 1 + 4 + 16 s of timeouts and 1 + 4 s of pauses here) with an empty 500, which
+    our layer turns into a 422 that says so."""
+    url = f"http://{IMAGE_HOST}:{free_port()}/cat.png" if " " in path else _url(images, path)
+    answered, body, _ = _fetch(server, url)
+    assert answered == status and reason in body["error"]["message"] and url in body["error"]["message"], body
+    if path == "/elsewhere.png":
+        assert images.requests[-1] == "/elsewhere.png"  # its target, /cat.png on "localhost", never asked
+    assert chat(openai_client, image_url_part(_url(images, "/cat.png"))).usage.completion_tokens == 8

@@ -10,14 +10,21 @@ the `cpu` profile's.
 The requests both tiers send (tests/integration/test_vision_serving.py on the CPU build,
 tests/gpu/test_vision_gpu.py on CUDA) live here too: a PNG as a chat part or an Anthropic block,
 one chat or message through the official SDKs, and the bad images with the 400 each gets from a
-server started with ``VISION_MAX_PIXELS=MAX_PIXELS`` and one image a prompt.
+server started with ``VISION_MAX_PIXELS=MAX_PIXELS`` and one image a prompt. `image_host` is a
+web server on 127.0.0.1 for the image-URL tests (VISION_URL_DOMAINS=127.0.0.1): a PNG, one above
+the pixel cap, a 404, a redirect to another host name, bytes that are not an image, a slow answer.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import shutil
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from core.profiles import PROFILES_DIR
@@ -28,6 +35,7 @@ VISION_TARGET = "tiny/target-vision"
 MODEL = "qwen3.8-27b"
 MAX_PIXELS = 256 * 256  # the tiny processor's own largest image: the servers' VISION_MAX_PIXELS
 QUESTION = "What is in the picture?"
+URL_REFUSED = "image URLs are fetched only from hosts in VISION_URL_DOMAINS"
 
 
 def vision_profiles(directory: Path) -> Path:
@@ -117,14 +125,72 @@ BAD_IMAGES = {
     "too many images": ([image_part(png((64, 64))), image_part(png((64, 64), (0, 0, 200)))],
                         "2 images in one request, above this server's 1 (VISION_IMAGES_PER_PROMPT)"),
     "an http URL": ([{"type": "image_url", "image_url": {"url": "http://203.0.113.7/cat.png"}}],
-                    "image URLs are not fetched by this server (http)"),
+                    "host 203.0.113.7 is not one: send the image inline"),
     "an https URL": ([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}],
-                     "image URLs are not fetched by this server (https)"),
+                     "host example.com is not one: send the image inline"),
 }
 # case -> (an Anthropic content block, an excerpt of the 400's message), on the same server
 BAD_IMAGE_BLOCKS = {
     "not an image": (image_block(b"plain text, not pixels"), "is not an image"),
     "too many pixels": (image_block(png((300, 300))), "above this server's 65,536 (VISION_MAX_PIXELS)"),
     "a URL source": ({"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}},
-                     "image URLs are not fetched by this server (https)"),
+                     "host example.com is not one: send the image inline"),
 }
+
+
+# ---- a web server of images (VISION_URL_DOMAINS) ------------------------------------------
+
+IMAGE_HOST = "127.0.0.1"  # the servers' VISION_URL_DOMAINS; "localhost", the same machine, is not listed
+SLOW_S = 30.0  # how long /slow.png keeps its answer: longer than the engine's fetch timeout
+
+
+class _ImageHandler(BaseHTTPRequestHandler):
+    """GET /cat.png, /big.png, /text.png, /slow.png, /elsewhere.png (302 to "localhost"); else 404."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        port = self.server.server_address[1]
+        if self.path == "/elsewhere.png":
+            self._answer(302, b"", "text/plain", location=f"http://localhost:{port}/cat.png")
+        elif self.path == "/slow.png":
+            time.sleep(SLOW_S)
+            self._answer(200, png((64, 64)), "image/png")
+        elif self.path in self.server.files:
+            self._answer(200, *self.server.files[self.path])
+        else:
+            self._answer(404, b"not here", "text/plain")
+        self.server.requests.append(self.path)
+
+    def _answer(self, status: int, body: bytes, media_type: str, location: str | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", media_type)
+        self.send_header("Content-Length", str(len(body)))
+        if location:
+            self.send_header("Location", location)
+        self.end_headers()
+        with contextlib.suppress(OSError):  # a client that gave up on /slow.png
+            self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def image_host() -> Iterator[ThreadingHTTPServer]:
+    """A web server on IMAGE_HOST (a free port) serving the images above; ``.requests``: the paths asked."""
+    server = ThreadingHTTPServer((IMAGE_HOST, 0), _ImageHandler)
+    server.daemon_threads = True
+    server.files = {"/cat.png": (png((64, 64)), "image/png"), "/big.png": (png((300, 300)), "image/png"),
+                    "/text.png": (b"plain text, not pixels", "image/png")}
+    server.requests = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def image_url_part(url: str) -> dict:
+    """An OpenAI chat content part naming the image at ``url``."""
+    return {"type": "image_url", "image_url": {"url": url}}

@@ -142,3 +142,76 @@ def test_vllms_own_parser_reads_the_rendered_vision_arguments(name, tmp_path):
     assert args.mm_processor_kwargs == {"max_pixels": 1_000_000, **({"use_fast": False} if name == "cpu" else {})}
     assert args.mm_processor_cache_gb == 0 and args.language_model_only is False
     assert not args.skip_mm_profiling  # the start-up profiling reads its dummy image like a request's
+    assert args.allowed_media_domains is None  # our layer alone refuses every URL
+
+
+# ---- VISION_URL_DOMAINS --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, reason",
+    [
+        ("https://images.lan", "'https://images.lan' carries a scheme: write the host name alone"),
+        ("images.lan/cats", "'images.lan/cats' carries a path"),
+        ("images.lan:8080", "'images.lan:8080' carries a port or an IPv6 address"),
+        ("::1", "'::1' carries a port or an IPv6 address"),
+        ("*.images.lan", "'*.images.lan' carries a wildcard"),
+        ("user@images.lan", "'user@images.lan' carries a user name"),
+        ("images.lan,,10.0.0.5", "an empty item: write host names separated by single commas"),
+        ("images.lan,", "an empty item"),
+        ("images lan", "'images lan' has whitespace inside: write one host name per item"),
+        ("images_lan", "'images_lan' is not a host name: letters, digits, '-' and '.'"),
+        ("images.lan.", "'images.lan.' is not a host name"),
+    ],
+)
+def test_a_bad_url_domain_is_refused_at_load_in_one_line(value, reason):
+    with pytest.raises(SettingsError) as refused:
+        load_settings(None, vision=True, vision_url_domains=value)
+    assert str(refused.value).startswith(f"VISION_URL_DOMAINS={json.dumps(value)}: {reason}")
+    assert "\n" not in str(refused.value)
+
+
+def test_url_domains_are_read_lower_cased_and_trimmed():
+    settings = load_settings(None, vision=True, vision_url_domains="Images.LAN, 10.0.0.5 ,cdn-1.images.lan")
+    assert settings.vision_url_domains == "images.lan,10.0.0.5,cdn-1.images.lan"
+
+
+def test_a_bad_url_domain_in_the_environment_is_one_line_and_a_non_zero_exit(tmp_path):
+    done = subprocess.run([*QWEN38, "settings", "show"], env=clean_env(VISION="true", VISION_URL_DOMAINS="http://x"),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "qwen38: settings: VISION_URL_DOMAINS=\"http://x\": 'http://x' carries a scheme: write the host name alone "
+        "(images.lan, 10.0.0.5)"]
+
+
+def test_url_domains_without_vision_are_refused_in_one_line(tmp_path):
+    settings = user_settings("single", models_dir=tmp_path, vision_url_domains="images.lan")
+    with pytest.raises(SettingsError, match=r"^VISION_URL_DOMAINS=images.lan: vision is off for profile single; "
+                                            r"set VISION=true or unset VISION_URL_DOMAINS$"):
+        resolve(load_profile("single"), settings)
+
+
+def test_url_domains_reach_vllm_the_api_layer_and_turn_redirects_off(tmp_path):
+    from pydantic import SecretStr
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from tests.support.plans import render_resolved
+
+    profile, key = load_profile("cpu"), SecretStr("k" * 24)
+    chosen = user_settings("cpu", models_dir=tmp_path, cache_dir=tmp_path / "cache", vision=True,
+                           vision_url_domains="images.lan,10.0.0.5")
+    resolved = resolve(profile, chosen)
+    assert resolved.vision.url_domains == ("images.lan", "10.0.0.5")
+    assert engine_args(resolved)["allowed-media-domains"] == ["images.lan", "10.0.0.5"]
+    inv = render_resolved(profile, chosen, key)
+    assert inv.env["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] == "0" and inv.env["VLLM_MEDIA_FETCH_MAX_RETRIES"] == "1"
+    assert ImageLimits.from_env(inv.env[VISION_ENV]).url_domains == ("images.lan", "10.0.0.5")
+    inv.config_path.parent.mkdir(parents=True)
+    inv.config_path.write_text(inv.config_yaml())
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(inv.argv[3:])
+    assert args.allowed_media_domains == ["images.lan", "10.0.0.5"]  # vLLM's own check, as it reads the YAML
+    unset = render_resolved(profile, user_settings("cpu", models_dir=tmp_path, cache_dir=tmp_path / "c2", vision=True),
+                            key)
+    assert "VLLM_MEDIA_URL_ALLOW_REDIRECTS" not in unset.env and "allowed-media-domains" not in unset.config
