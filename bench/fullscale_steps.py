@@ -132,9 +132,9 @@ SERVED: dict[str, Served] = {
     # preprocess).
     "single-mtp-v2-steps-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
                                        env=V2_RUNNER, workloads=("c1", "steps"), profiled=True),
+    "single-steps-full": Served("single", HEADLESS_3090_BYTES, workloads=("c1", "steps"), profiled=True),
     "single-mtp-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
                               workloads=("c1", "users", "steps"), profiled=True),
-    "single-steps-full": Served("single", HEADLESS_3090_BYTES, workloads=("c1", "steps"), profiled=True),
     "single-nospec-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False,
                                        workloads=("c1", "steps"), profiled=True),
     "single-nospec-v2-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False, env=V2_RUNNER,
