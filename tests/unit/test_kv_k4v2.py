@@ -2,7 +2,9 @@
 under Triton's interpreter on CPU: the write kernel's bytes against the torch quantizer,
 the page size against the planner's bytes function, and the split-KV attention kernel
 against float32 attention over the dequantized cache (kernel bugs) and over the
-unquantized bf16 K/V (quantization error) on Qwen3.8's heads (24 q / 4 kv, head_dim 256).
+unquantized bf16 K/V (quantization error) on Qwen3.8's heads (24 q / 4 kv, head_dim 256);
+the prefill path (query blocks longer than 16 cut into virtual requests for the same kernel)
+against the same reference and the torch prefill loop.
 Long contexts are marked slow (the interpreter runs each program in Python)."""
 
 from __future__ import annotations
@@ -10,7 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.kv_k4v2 import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, SCALE, attention_errors, load_k4v2
+from tests.support.kv_k4v2 import (
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    NUM_Q_HEADS,
+    SCALE,
+    attention_errors,
+    dequantized_failures,
+    load_k4v2,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -23,23 +33,23 @@ def k4v2():
     return load_k4v2(interpret=True)
 
 
-def _kv(num_tokens: int, seed: int):
+def _kv(num_tokens: int, seed: int, num_kv_heads: int = NUM_KV_HEADS):
     gen = torch.Generator().manual_seed(seed)
-    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
-    value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).bfloat16()
+    key = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen).bfloat16()
+    value = torch.randn(num_tokens, num_kv_heads, HEAD_DIM, generator=gen).bfloat16()
     return key, value, gen
 
 
-def _paged(k4v2, seq_len: int, seed: int, *, spare: int = 2):
+def _paged(k4v2, seq_len: int, seed: int, *, spare: int = 2, num_kv_heads: int = NUM_KV_HEADS):
     """A cache holding one request of seq_len tokens on shuffled pages (torch writer)."""
-    key, value, gen = _kv(seq_len, seed)
+    key, value, gen = _kv(seq_len, seed, num_kv_heads)
     pages = -(-seq_len // k4v2.BLOCK_SIZE)
     order = torch.randperm(pages + spare, generator=gen)
     block_table = torch.zeros(1, pages + 1, dtype=torch.int32)
     block_table[0, :pages] = order[:pages].int()
     pos = torch.arange(seq_len)
     slots = block_table[0, pos // 128].long() * 128 + pos % 128
-    cache = k4v2.allocate_cache(pages + spare, NUM_KV_HEADS)
+    cache = k4v2.allocate_cache(pages + spare, num_kv_heads)
     k4v2.write_reference(cache, key, value, slots)
     return cache, block_table, key, value, gen
 
@@ -135,3 +145,73 @@ def test_split_plan_uses_many_programs_for_long_contexts(k4v2):
     assert k4v2.split_plan(245_760, 32, 512, 64) == (32, 7680)
     assert k4v2.split_plan(130, 32, 512, 64) == (1, 512)
     assert k4v2.split_plan(0, 32, 512, 64) == (0, 0)
+
+
+# ---- the prefill path: long query blocks as virtual requests of the split-KV kernel ----------
+
+
+def test_virtual_batch_cuts_blocks_into_16_row_requests_that_see_their_own_keys(k4v2):
+    # Requests: 37 rows ending at key 300 (block from position 263), a decode (1 row of 77),
+    # a request with no rows (vLLM's padding), 16 rows from position 0.
+    cu = torch.tensor([0, 37, 38, 38, 54], dtype=torch.int32)
+    seqused = torch.tensor([300, 77, 50, 16], dtype=torch.int32)
+    table = torch.arange(4, dtype=torch.int32)[:, None] * 10 + torch.arange(3, dtype=torch.int32)
+    cu_v, seqused_v, table_v = k4v2.virtual_batch(cu, seqused, table, num_tokens=54)
+    assert k4v2.prefill_capacity(54, 4) == 8 == seqused_v.shape[0]
+    assert cu_v.tolist() == [0, 16, 32, 37, 38, 54, 54, 54, 54]
+    # Row i of a virtual request of n rows sits at seqused - n + i: 263 + 16 j + i.
+    assert seqused_v.tolist() == [279, 295, 300, 77, 16, 0, 0, 0]
+    assert table_v[:5, 0].tolist() == [0, 0, 0, 10, 30] and cu_v.dtype == seqused_v.dtype == torch.int32
+
+
+def _prefill(k4v2, seq_len: int, q_len: int, seed: int, *, num_q_heads: int = NUM_Q_HEADS,
+             num_kv_heads: int = NUM_KV_HEADS, config=None):
+    """One request's last q_len rows through `prefill_attention`; its float32 reference over
+    the dequantized cache and the torch prefill loop's answer."""
+    cache, block_table, _, _, gen = _paged(k4v2, seq_len, seed, num_kv_heads=num_kv_heads)
+    q = torch.randn(q_len, num_q_heads, HEAD_DIM, generator=gen).bfloat16()
+    args = dict(num_kv_heads=num_kv_heads, cu_seqlens_q=torch.tensor([0, q_len], dtype=torch.int32),
+                seqused_k=torch.tensor([seq_len], dtype=torch.int32), block_table=block_table, softmax_scale=SCALE)
+    workspace = k4v2.KVK4V2Workspace(1, k4v2.MAX_VERIFY_TOKENS, num_q_heads, max_splits=1, device="cpu")
+    extra = {} if config is None else {"config": config}
+    out = k4v2.prefill_attention(q, cache, torch.full_like(q, float("nan")), workspace=workspace, **args, **extra)
+    keys, values = k4v2.gather_dequantized(cache, num_kv_heads, block_table[0], seq_len)
+    ref = k4v2.reference_attention(q, keys, values, SCALE)
+    loop = k4v2.prefill_attention_reference(q, cache, torch.zeros_like(q), **args)
+    return out, ref, loop, workspace
+
+
+@pytest.mark.parametrize("seq_len,q_len", [pytest.param(20, 20, id="from-0-q20"),
+                                           pytest.param(300, 21, id="mid-context-279-q21")])
+def test_prefill_path_matches_the_dequantized_reference_and_the_torch_loop(k4v2, seq_len, q_len):
+    out, ref, loop, workspace = _prefill(k4v2, seq_len, q_len, seed=seq_len + q_len)
+    assert not dequantized_failures(out, ref), dequantized_failures(out, ref)
+    assert not dequantized_failures(out, loop.float())
+    # One launch in a prefill workspace of one split per 16-row virtual request.
+    assert workspace.prefill.max_num_seqs == k4v2.prefill_capacity(q_len, 1) and workspace.prefill.max_splits == 1
+
+
+def test_prefill_path_gives_the_same_answer_with_any_number_of_splits(k4v2, monkeypatch):
+    """Smaller heads (4 q / 2 kv, group 2); splits of 64 keys, so 1, 2 and 4 splits really
+    split the 200 keys: the same answer within rounding, each within the bound."""
+    config = k4v2.KVK4V2Config(tile_n=64, min_split_tokens=64)
+    outs = []
+    for splits in (1, 2, 4):
+        monkeypatch.setattr(k4v2, "PREFILL_MAX_SPLITS", splits)
+        out, ref, _, workspace = _prefill(k4v2, 200, 23, seed=7, num_q_heads=4, num_kv_heads=2, config=config)
+        assert workspace.prefill.max_splits == splits
+        assert not dequantized_failures(out, ref), (splits, dequantized_failures(out, ref))
+        outs.append(out.float())
+    assert all(torch.allclose(o, outs[0], atol=2e-3, rtol=2**-7) for o in outs[1:])
+
+
+def test_prefill_workspace_at_qwen38_shape_is_51_mb(k4v2):
+    # 2,048 batched tokens and 2 slots (profile huge): 130 virtual requests, one split.
+    virtual = k4v2.prefill_capacity(2048, 2)
+    assert virtual == 130
+    assert k4v2.KVK4V2Workspace.bytes_for(virtual, 16, NUM_Q_HEADS, k4v2.PREFILL_MAX_SPLITS) == 51_517_440
+    small = k4v2.KVK4V2Workspace(1, 16, NUM_Q_HEADS, max_splits=1, device="cpu")
+    assert small.for_prefill(3) is small.for_prefill(2) and small.prefill.max_num_seqs == 3
+    assert small.for_prefill(5).max_num_seqs == 5
+    assert small.prefill.nbytes == sum(t.numel() * 4 for t in (small.prefill.partial_out, small.prefill.partial_max,
+                                                              small.prefill.partial_sum))

@@ -4,7 +4,8 @@ On CPU: the patched config takes the name and stores it as uint8, the Triton bac
 a head-256 layer the format's page and refuses other heads, other backends do not list it,
 stock vLLM knows none of it; the glue the Triton backend calls (vLLM's layer cache as
 128-token pages, its block table as a page table, the decode/verify kernel and the prefill
-path) writes and reads a cache shaped as vLLM shapes it, against the torch reference, under
+path: the same kernel over 16-row virtual requests, also for a mixed prefill + decode batch)
+writes and reads a cache shaped as vLLM shapes it, against the torch reference, under
 the Triton interpreter; and the planner's own layout of the format (used where the tree lacks
 the patch) gives `huge` exactly the plan vLLM's registered arithmetic gives. The engine run
 needs a GPU (not done yet)."""
@@ -18,7 +19,16 @@ import torch
 
 from core.profiles import load_profile
 from tests.split_kv_support import REPO, load_triton_file
-from tests.support.kv_k4v2 import DEQ_ATOL, DEQ_RTOL, HEAD_DIM, KERNEL_FILE, NUM_KV_HEADS, NUM_Q_HEADS, SCALE
+from tests.support.kv_k4v2 import (
+    DEQ_ATOL,
+    DEQ_RTOL,
+    HEAD_DIM,
+    KERNEL_FILE,
+    NUM_KV_HEADS,
+    NUM_Q_HEADS,
+    SCALE,
+    dequantized_failures,
+)
 from tests.support.plans import user_settings
 from tests.support.vllm_views import json_in_views, last_json_line, run_python, view_without, vllm_views  # noqa: F401
 
@@ -167,10 +177,11 @@ def test_the_glue_writes_vllm_slots_into_the_pages_the_reference_writes(k4v2, in
     assert torch.equal(pages, expected)
 
 
-@pytest.mark.parametrize("q_lens", [[1, 1], [8, 3], [40, 1]], ids=["decode", "verify", "prefill"])
-def test_the_glue_attends_like_the_reference_over_the_dequantized_cache(k4v2, interpreter, q_lens):
-    contexts = [300, 77]
-    cache, table, _, gen = _requests(k4v2, contexts, seed=11)
+def _glue_batch(k4v2, q_lens: list[int], contexts: list[int], seed: int):
+    """`forward` over requests with `contexts` keys, the last `q_lens` of them queries: q, the
+    output, each request's float32 reference over the dequantized cache, cu_seqlens_q, the
+    workspace, and the pages with their page table."""
+    cache, table, _, gen = _requests(k4v2, contexts, seed=seed)
     q = torch.randn(sum(q_lens), NUM_Q_HEADS, HEAD_DIM, generator=gen).bfloat16()
     cu = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
     out = torch.zeros_like(q)
@@ -180,25 +191,54 @@ def test_the_glue_attends_like_the_reference_over_the_dequantized_cache(k4v2, in
                  max_seqlen_q=max(q_lens), softmax_scale=SCALE, workspace=workspace)
     pages = k4v2.layer_pages(cache, NUM_KV_HEADS)
     page_table = k4v2.page_table(table, 2)
-    for seq, (n, q_len) in enumerate(zip(contexts, q_lens, strict=True)):
+    refs = []
+    for seq, n in enumerate(contexts):
         keys, values = k4v2.gather_dequantized(pages, NUM_KV_HEADS, page_table[seq], n)
-        rows = slice(int(cu[seq]), int(cu[seq + 1]))
-        ref = k4v2.reference_attention(q[rows], keys, values, SCALE)
-        got = out[rows].float()
+        refs.append(k4v2.reference_attention(q[int(cu[seq]) : int(cu[seq + 1])], keys, values, SCALE))
+    return q, out, refs, cu, workspace, (pages, page_table)
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1], [8, 3]], ids=["decode", "verify"])
+def test_the_glue_attends_like_the_reference_over_the_dequantized_cache(k4v2, interpreter, q_lens):
+    _, out, refs, cu, _, _ = _glue_batch(k4v2, q_lens, [300, 77], seed=11)
+    for seq, ref in enumerate(refs):
+        got = out[int(cu[seq]) : int(cu[seq + 1])].float()
         assert torch.all((got - ref).abs() <= DEQ_ATOL + DEQ_RTOL * ref.abs()), f"request {seq}"
 
 
-def test_prefill_path_bounds_memory_by_chunks_and_gives_the_same_answer(k4v2, interpreter):
-    """The prefill path walks queries and context in chunks (online softmax): tiny chunks
-    give what one chunk gives."""
+def test_a_mixed_prefill_and_decode_batch_takes_the_kernel_and_gets_both_right(k4v2, interpreter, monkeypatch):
+    """As vLLM sends chunked prefill: one request's 21-row chunk from position 279 (not a
+    multiple of 16) beside a decode, max_seqlen_q the batch's 21: the split-KV kernel over
+    virtual requests (the torch loop is not called), each request within the kernel bound,
+    and the same answer the torch loop gives."""
+
+    def no_loop(*_args, **_kwargs):
+        raise AssertionError("the torch prefill loop ran")
+
+    monkeypatch.setattr(k4v2, "prefill_attention_reference", no_loop)
+    q, out, refs, cu, workspace, (pages, page_table) = _glue_batch(k4v2, [21, 1], [300, 77], seed=13)
+    monkeypatch.undo()
+    assert workspace.prefill is not None and workspace.prefill.max_num_seqs == k4v2.prefill_capacity(22, 2)
+    for seq, ref in enumerate(refs):
+        got = out[int(cu[seq]) : int(cu[seq + 1])]
+        assert not dequantized_failures(got, ref), (seq, dequantized_failures(got, ref))
+    loop = k4v2.prefill_attention_reference(q, pages, torch.zeros_like(q), num_kv_heads=NUM_KV_HEADS, cu_seqlens_q=cu,
+                                            seqused_k=torch.tensor([300, 77], dtype=torch.int32),
+                                            block_table=page_table, softmax_scale=SCALE)
+    assert not dequantized_failures(out, loop.float())
+
+
+def test_prefill_reference_bounds_memory_by_chunks_and_gives_the_same_answer(k4v2, interpreter):
+    """The torch prefill loop (the tests' reference) walks queries and context in chunks
+    (online softmax): tiny chunks give what one chunk gives."""
     cache, table, _, gen = _requests(k4v2, [300], seed=5)
     q = torch.randn(40, NUM_Q_HEADS, HEAD_DIM, generator=gen).bfloat16()
     pages = k4v2.layer_pages(cache, NUM_KV_HEADS)
     args = dict(num_kv_heads=NUM_KV_HEADS, cu_seqlens_q=torch.tensor([0, 40], dtype=torch.int32),
                 seqused_k=torch.tensor([300], dtype=torch.int32), block_table=k4v2.page_table(table, 2),
                 softmax_scale=SCALE)
-    whole = k4v2.prefill_attention(q, pages, torch.zeros_like(q), **args, query_rows=64, context_tokens=4096)
-    chunked = k4v2.prefill_attention(q, pages, torch.zeros_like(q), **args, query_rows=7, context_tokens=50)
+    whole = k4v2.prefill_attention_reference(q, pages, torch.zeros_like(q), **args, query_rows=64, context_tokens=4096)
+    chunked = k4v2.prefill_attention_reference(q, pages, torch.zeros_like(q), **args, query_rows=7, context_tokens=50)
     assert torch.allclose(whole.float(), chunked.float(), atol=2e-2, rtol=2**-7)
 
 

@@ -68,6 +68,10 @@ Kernels
                     phase 2 merges the splits. Grids depend only on the number of requests,
                     max_seqlen_q and the workspace's max_splits (graph-safe); the split plan
                     is made on the device from seqused_k.
+`prefill_attention` longer query blocks (chunked prefill, prefix-cache hits) through the same
+                    kernel: each block cut on the device into virtual requests of at most 16
+                    rows (`virtual_batch`: own rows, seqused_k up to the last row, the
+                    request's block-table row), one launch for the whole step, one split each.
 Dequantization happens on the scores and probabilities, not on tiles:
 ``q . k_hat_g = s_g (q_g . code_g) + m_g sum(q_g)`` and
 ``sum_n p_n v_hat_n = sum_n (p_n s_gn) code_n + sum_n p_n m_gn``; codes are exact in
@@ -76,7 +80,8 @@ the offset sums stay fp32.
 
 Torch references: `quantize_reference`, `write_reference` (the page bytes in torch),
 `dequantize_pages`, `gather_dequantized`, `reference_attention` (float32, over any dense
-K/V per request, e.g. the dequantized cache or the unquantized bf16 K/V).
+K/V per request, e.g. the dequantized cache or the unquantized bf16 K/V),
+`prefill_attention_reference` (the prefill path as a chunked torch loop over the pages).
 """
 
 from __future__ import annotations
@@ -112,6 +117,10 @@ HEAD_REGION_BYTES = V_META_OFFSET + BLOCK_SIZE * META_BYTES  # 26,624
 
 MAX_VERIFY_TOKENS = 16
 DEFAULT_MAX_SPLITS = 32
+# The prefill path runs a step's query rows as many virtual requests of MAX_VERIFY_TOKENS rows
+# (2,048 tokens: 128 of them, x KV heads x query tiles programs): enough programs without
+# splitting the context, and one split keeps its workspace at 0.4 MB per virtual request.
+PREFILL_MAX_SPLITS = 1
 
 
 @dataclass(frozen=True)
@@ -446,7 +455,10 @@ def split_plan(seq_len: int, max_splits: int, min_split_tokens: int, tile_n: int
 
 class KVK4V2Workspace:
     """Partial results of the splits (float32), allocated once:
-    out (seqs, query tokens, q_heads, max_splits, 256); max, sum (..., max_splits)."""
+    out (seqs, query tokens, q_heads, max_splits, 256); max, sum (..., max_splits).
+
+    The decode workspace (the metadata builder's) also holds the prefill path's own, made on
+    the first prefill step (`for_prefill`)."""
 
     def __init__(self, max_num_seqs: int, max_query_tokens: int, num_q_heads: int,
                  max_splits: int = DEFAULT_MAX_SPLITS, device: str | torch.device = "cuda") -> None:
@@ -458,6 +470,28 @@ class KVK4V2Workspace:
         self.partial_out = torch.empty((*shape, HEAD_DIM), dtype=torch.float32, device=device)
         self.partial_max = torch.empty(shape, dtype=torch.float32, device=device)
         self.partial_sum = torch.empty(shape, dtype=torch.float32, device=device)
+        self.prefill: KVK4V2Workspace | None = None
+
+    @staticmethod
+    def bytes_for(max_num_seqs: int, max_query_tokens: int, num_q_heads: int, max_splits: int) -> int:
+        """Bytes of a workspace of that shape (out, max and sum, float32)."""
+        return max_num_seqs * max_query_tokens * num_q_heads * max_splits * (HEAD_DIM + 2) * 4
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_for(self.max_num_seqs, self.max_query_tokens, self.num_q_heads, self.max_splits)
+
+    def for_prefill(self, num_virtual: int) -> KVK4V2Workspace:
+        """The prefill path's workspace for `num_virtual` virtual requests: `MAX_VERIFY_TOKENS`
+        rows and `PREFILL_MAX_SPLITS` splits each, on this workspace's device. Made on the first
+        prefill step and grown (never shrunk) when a step needs more; a step of at most
+        max_num_batched_tokens tokens needs at most `prefill_capacity` of them (Qwen3.8, 2,048
+        tokens, 2 slots: 130 virtual requests, 51.5 MB). Eager only: the prefill path is outside
+        CUDA graphs."""
+        if self.prefill is None or self.prefill.max_num_seqs < num_virtual:
+            self.prefill = KVK4V2Workspace(num_virtual, MAX_VERIFY_TOKENS, self.num_q_heads,
+                                           PREFILL_MAX_SPLITS, device=self.partial_out.device)
+        return self.prefill
 
 
 @triton.jit
@@ -774,7 +808,78 @@ def _pages_dequantized(pages: torch.Tensor, num_kv_heads: int, table_row: torch.
     return keys.flatten(0, 1)[lo : lo + stop - start], values.flatten(0, 1)[lo : lo + stop - start]
 
 
+def prefill_capacity(num_tokens: int, num_seqs: int) -> int:
+    """Virtual requests `virtual_batch` makes for a step of `num_tokens` query tokens over
+    `num_seqs` requests: a bound on sum(ceil(q_len / MAX_VERIFY_TOKENS)), known on the host."""
+    return -(-num_tokens // MAX_VERIFY_TOKENS) + num_seqs
+
+
+def virtual_batch(
+    cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch of query blocks of any length cut into virtual requests of at most
+    `MAX_VERIFY_TOKENS` consecutive query rows, on the device, without a host sync.
+
+    Virtual request j of a request with ``q_len`` rows and ``seq_len`` keys (its block starts
+    at position ``seq_len - q_len``) holds rows ``16j .. min(16j + 16, q_len)``, sees keys up
+    to its last row (``seqused_k = seq_len - q_len + min(16j + 16, q_len)``, so the kernel's
+    causal rule, row i of n at ``seqused_k - n + i``, gives each row its own position) and
+    reads its request's row of the block table. The count is `prefill_capacity` (host side);
+    the unused tail has no rows and no keys (the kernels return at once).
+    Returns cu_seqlens_q (capacity + 1,) int32, seqused_k (capacity,) int32 and the block
+    table (capacity, max_blocks)."""
+    num_seqs = seqused_k.shape[0]
+    capacity = prefill_capacity(num_tokens, num_seqs)
+    cu = cu_seqlens_q[: num_seqs + 1].long()
+    q_lens = cu[1:] - cu[:-1]
+    pieces = (q_lens + MAX_VERIFY_TOKENS - 1) // MAX_VERIFY_TOKENS
+    ends = torch.cumsum(pieces, 0)
+    virtual = torch.arange(capacity, device=cu.device)
+    owner = torch.searchsorted(ends, virtual, right=True)  # requests without rows own none
+    used = owner < num_seqs
+    owner = owner.clamp(max=max(num_seqs - 1, 0))
+    first_row = (virtual - ends[owner] + pieces[owner]) * MAX_VERIFY_TOKENS
+    stop_row = torch.minimum(first_row + MAX_VERIFY_TOKENS, q_lens[owner])
+    starts = torch.where(used, cu[owner] + first_row, cu[-1])
+    seqused = torch.where(used, seqused_k[owner].long() - q_lens[owner] + stop_row, 0)
+    return (torch.cat([starts, cu[-1:]]).to(torch.int32), seqused.to(torch.int32),
+            block_table.index_select(0, owner))
+
+
 def prefill_attention(
+    q: torch.Tensor,
+    pages: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    num_kv_heads: int,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float,
+    workspace: KVK4V2Workspace,
+    config: KVK4V2Config = KVK4V2Config(),
+) -> torch.Tensor:
+    """Causal attention of query blocks of any length (chunked prefill, prefix-cache hits, and
+    the decode / verify requests batched with them) over the k4v2 pages: `virtual_batch` cuts
+    every block into virtual requests of at most `MAX_VERIFY_TOKENS` rows and one
+    `kvk4v2_attention` launch (partial + merge) runs them all, in the workspace's prefill part
+    (`KVK4V2Workspace.for_prefill`, `PREFILL_MAX_SPLITS` splits: the rows give the programs).
+    About 30 small torch ops build the virtual batch on the device; its size
+    (`prefill_capacity`) is known on the host, so there is no host sync and no loop over rows or
+    context. Eager: the prefill path is outside CUDA graphs, and the workspace may grow on a step
+    with more tokens than any before. Arguments as `kvk4v2_attention` (``block_table`` in
+    128-token pages); `prefill_attention_reference` is the same in torch."""
+    num_tokens = q.shape[0]
+    if seqused_k.shape[0] == 0 or num_tokens == 0:
+        return out
+    cu_v, seqused_v, table_v = virtual_batch(cu_seqlens_q, seqused_k, block_table, num_tokens)
+    prefill = workspace.for_prefill(seqused_v.shape[0])
+    return kvk4v2_attention(q, pages, out, num_kv_heads=num_kv_heads, cu_seqlens_q=cu_v, seqused_k=seqused_v,
+                            block_table=table_v, max_seqlen_q=min(MAX_VERIFY_TOKENS, num_tokens),
+                            softmax_scale=softmax_scale, workspace=prefill, config=config)
+
+
+def prefill_attention_reference(
     q: torch.Tensor,
     pages: torch.Tensor,
     out: torch.Tensor,
@@ -787,12 +892,11 @@ def prefill_attention(
     query_rows: int = 256,
     context_tokens: int = 2048,
 ) -> torch.Tensor:
-    """Causal attention of query blocks of any length (chunked prefill, prefix-cache hits) over
-    the k4v2 pages, in torch: per request, per ``query_rows`` queries, the context dequantized
-    ``context_tokens`` at a time with an online softmax (bounded memory at 245k of context: about
-    50 MB of float32 scores for 24 heads at the defaults).
-    Correct, not fast: it stands in for a prefill kernel over the pages (docs/kv-k4v2.md).
-    Arguments as `kvk4v2_attention` (``block_table`` in 128-token pages); a host sync."""
+    """`prefill_attention` in torch, for tests: per request, per ``query_rows`` queries, the
+    context dequantized ``context_tokens`` at a time with an online softmax (bounded memory at
+    245k of context: about 50 MB of float32 scores for 24 heads at the defaults). Correct and
+    launch-bound (thousands of small ops per layer at long contexts, a host sync); it served
+    prefill before the split-KV kernel did (docs/kv-k4v2.md)."""
     starts, lens = cu_seqlens_q.tolist(), seqused_k.tolist()
     group = q.shape[1] // num_kv_heads
     for seq, seq_len in enumerate(lens):
@@ -840,16 +944,21 @@ def forward(
     workspace: KVK4V2Workspace | None,
 ) -> torch.Tensor:
     """The attention of one layer over its k4v2 cache, as vLLM's Triton backend calls it:
-    decode and verify blocks (at most `MAX_VERIFY_TOKENS` query tokens each) through the
-    split-KV kernel, any longer block through `prefill_attention`. ``kv_cache`` and
+    a batch whose requests have at most `MAX_VERIFY_TOKENS` query tokens each (decode, verify)
+    through the split-KV kernel directly; a batch with a longer block (``max_seqlen_q`` is the
+    batch's maximum, so a chunked-prefill batch with decodes in it too) through
+    `prefill_attention`, the same kernel over virtual requests. Without a workspace (no
+    metadata builder made one) everything takes `prefill_attention_reference`. ``kv_cache`` and
     ``block_table`` are vLLM's (its block a whole number of pages)."""
     pages = layer_pages(kv_cache, num_kv_heads)
     table = page_table(block_table, pages.shape[0] // kv_cache.shape[0])
     args = dict(num_kv_heads=num_kv_heads, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, block_table=table,
                 softmax_scale=softmax_scale)
-    if max_seqlen_q <= MAX_VERIFY_TOKENS and workspace is not None:
+    if workspace is None:
+        return prefill_attention_reference(q, pages, out, **args)
+    if max_seqlen_q <= MAX_VERIFY_TOKENS:
         return kvk4v2_attention(q, pages, out, max_seqlen_q=max_seqlen_q, workspace=workspace, **args)
-    return prefill_attention(q, pages, out, **args)
+    return prefill_attention(q, pages, out, workspace=workspace, **args)
 
 
 def write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
