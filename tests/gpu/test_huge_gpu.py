@@ -26,7 +26,7 @@ from entrypoint.client import StackClient
 from tests.conftest import spec_decode_delta
 from tests.gpu.conftest import record
 from tests.gpu.test_profiles_gpu import PROMPTS, _cli
-from tests.gpu.tiny_profiles import SHARE, TinyServers, build_head256_models, derive
+from tests.gpu.tiny_profiles import SHARE, TinyServers, build_head256_models, check_plan_is_engine_pool, derive
 from tests.support.chain_copy import MODEL, greedy_ids
 from tests.support.kv_pool import pools
 from tests.support.prefix_cache import token_prompt
@@ -75,9 +75,7 @@ def test_huge_passes_the_gate_with_the_patched_engine_and_the_k4v2_cache(servers
 @pytest.mark.parametrize("key", list(SERVED))
 def test_plan_equals_the_pool_the_cuda_engine_logs(servers, key):
     """What `qwen38 serve` planned before it started vLLM is the pool the engine then built."""
-    found = pools(servers.gated(key).log.read_text(errors="replace"))
-    record(f"huge.{key}.pool_tokens", {"planned": found.planned_tokens, "engine": found.engine_tokens})
-    assert (found.planned_tokens, found.planned_concurrency) == (found.engine_tokens, found.engine_concurrency)
+    check_plan_is_engine_pool(servers.gated(key).log.read_text(errors="replace"), f"huge.{key}")
 
 
 def test_k4v2_holds_more_tokens_than_bf16_in_the_same_bytes(servers):

@@ -28,7 +28,7 @@ import pytest
 from entrypoint.client import StackClient
 from tests.conftest import run_cli, spec_decode_delta, stop_server
 from tests.gpu.conftest import record
-from tests.gpu.tiny_profiles import SHARE, TINY, TinyServers, derive, write_profiles
+from tests.gpu.tiny_profiles import SHARE, TINY, TinyServers, check_plan_is_engine_pool, derive, write_profiles
 from tests.support.chain_copy import greedy_ids
 from tests.support.kv_pool import pools, serve_until_pool_logged
 from tests.support.prefix_cache import kv_block_tokens, sendings, token_prompt
@@ -172,9 +172,7 @@ def test_speculation_is_lossless_on_the_gpu(tier):
 @pytest.mark.parametrize("key", [*PROFILES, "single-nospec"])
 def test_plan_equals_the_pool_the_cuda_engine_logs(tier, key):
     """What `qwen38 serve` planned before it started vLLM is the pool the engine then built."""
-    found = pools(tier.gated(key).log.read_text(errors="replace"))
-    record(f"{key}.pool_tokens", {"planned": found.planned_tokens, "engine": found.engine_tokens})
-    assert (found.planned_tokens, found.planned_concurrency) == (found.engine_tokens, found.engine_concurrency)
+    check_plan_is_engine_pool(tier.gated(key).log.read_text(errors="replace"), key)
 
 
 @pytest.mark.parametrize("key", PROFILES)

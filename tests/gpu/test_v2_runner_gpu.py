@@ -22,8 +22,7 @@ import pytest
 from tests.conftest import spec_decode_delta
 from tests.gpu.conftest import record
 from tests.gpu.test_profiles_gpu import PROMPTS, _cli, _greedy
-from tests.gpu.tiny_profiles import TINY, TinyServers, derive
-from tests.support.kv_pool import pools
+from tests.gpu.tiny_profiles import TINY, TinyServers, check_plan_is_engine_pool, derive
 
 pytestmark = pytest.mark.gpu
 
@@ -83,9 +82,7 @@ def test_the_runner_changes_no_early_greedy_token(servers):
 
 @pytest.mark.parametrize("key", list(SERVED))
 def test_plan_equals_the_pool_the_cuda_engine_logs(servers, key):
-    found = pools(servers.gated(key).log.read_text(errors="replace"))
-    record(f"v2-runner.{key}.pool_tokens", {"planned": found.planned_tokens, "engine": found.engine_tokens})
-    assert (found.planned_tokens, found.planned_concurrency) == (found.engine_tokens, found.engine_concurrency)
+    check_plan_is_engine_pool(servers.gated(key).log.read_text(errors="replace"), f"v2-runner.{key}")
 
 
 @pytest.mark.parametrize("key", ["v2-nospec", "v2-mtp"])

@@ -41,20 +41,28 @@ from entrypoint.client import StackClient
 from entrypoint.validate.cache_isolation import unique_prefix
 from tests.conftest import clean_env, run_cli
 from tests.gpu.conftest import record
-from tests.gpu.tiny_profiles import SHARE, TINY_KV_BYTES, TinyServers, derive_vision, write_profiles
-from tests.support.kv_pool import pools
+from tests.gpu.tiny_profiles import (
+    SHARE,
+    TINY_KV_BYTES,
+    TinyServers,
+    check_plan_is_engine_pool,
+    derive_vision,
+    write_profiles,
+)
 from tests.support.prefix_cache import kv_block_tokens
 from tests.support.vision_serving import (
     BAD_IMAGE_BLOCKS,
     BAD_IMAGES,
     MAX_PIXELS,
     MODEL,
+    anthropic_refused,
     cached_image_prompt,
     chat,
     image_block,
     image_part,
     message,
     png,
+    refused_then_answered,
     respond,
     vision_models,
 )
@@ -197,12 +205,10 @@ def test_profile_passes_the_gate_with_vision_on_and_plans_the_pool_the_engine_bu
     assert budget, f"the engine did not profile the vision encoder:\n{log[-3000:]}"
     with StackClient(server.base_url, server.api_key) as client:
         assert sorted(client.model_ids()) == [MODEL]  # no adapter id: the copy serves none
-    found = pools(log)
     key = _key(server)
-    record(f"vision.{key}.pool_tokens", {"planned": found.planned_tokens, "engine": found.engine_tokens})
     record(f"vision.{key}.engine", {"encoder_budget_tokens": int(budget[1]),
                                     "model_loading_gib": float(loading[1]) if loading else None})
-    assert (found.planned_tokens, found.planned_concurrency) == (found.engine_tokens, found.engine_concurrency)
+    check_plan_is_engine_pool(log, f"vision.{key}")
 
 
 @pytest.mark.parametrize("server", PROFILES, indirect=True)
@@ -230,25 +236,13 @@ def test_an_anthropic_image_block_is_answered_with_its_image_tokens(server, anth
 @pytest.mark.parametrize("case", BAD_IMAGES)
 @pytest.mark.parametrize("server", PROFILES, indirect=True)
 def test_a_bad_image_is_a_400_with_the_reason_and_the_server_keeps_serving(server, openai_client, case):
-    parts, reason = BAD_IMAGES[case]
-    began = time.monotonic()
-    with pytest.raises(openai.BadRequestError) as refused:
-        chat(openai_client, *parts)
-    assert refused.value.status_code == 400
-    assert reason in refused.value.message
-    assert time.monotonic() - began < 10  # refused before anything is fetched or encoded
-    assert chat(openai_client, image_part(png((64, 64)))).usage.completion_tokens > 0
+    assert refused_then_answered(openai_client, *BAD_IMAGES[case]).usage.completion_tokens > 0
 
 
 @pytest.mark.parametrize("case", BAD_IMAGE_BLOCKS)
 @pytest.mark.parametrize("server", PROFILES, indirect=True)
 def test_a_bad_anthropic_image_block_is_a_400_in_anthropics_shape(server, anthropic_client, case):
-    block, reason = BAD_IMAGE_BLOCKS[case]
-    with pytest.raises(anthropic.BadRequestError) as refused:
-        message(anthropic_client, block)
-    assert refused.value.status_code == 400
-    assert refused.value.body["error"]["type"] == "invalid_request_error"
-    assert reason in refused.value.body["error"]["message"]
+    anthropic_refused(anthropic_client, *BAD_IMAGE_BLOCKS[case])
     assert message(anthropic_client, image_block(png((64, 64)))).usage.output_tokens > 0
 
 

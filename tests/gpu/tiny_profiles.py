@@ -18,6 +18,7 @@ from prepare.generate import DEFAULT_SEED, write_model
 from prepare.synthetic import TINY as TINY_SHAPES
 from tests.conftest import launch_server, stop_server, wait_ready
 from tests.gpu.conftest import record
+from tests.support.kv_pool import pools
 from tests.support.vision_serving import VISION_TARGET
 
 TINY_MAX_MODEL_LEN = 8192
@@ -140,3 +141,11 @@ class TinyServers:
 
     def stop_all(self):
         stop_server(*self.servers.values())
+
+
+def check_plan_is_engine_pool(log: str, label: str) -> None:
+    """What `qwen38 serve` planned before it started vLLM is the pool the engine then built
+    (tokens and concurrency, from the serve log); recorded as ``{label}.pool_tokens``."""
+    found = pools(log)
+    record(f"{label}.pool_tokens", {"planned": found.planned_tokens, "engine": found.engine_tokens})
+    assert (found.planned_tokens, found.planned_concurrency) == (found.engine_tokens, found.engine_concurrency)

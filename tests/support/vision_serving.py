@@ -118,6 +118,36 @@ def message(client, *blocks: dict):
 
 
 # case -> (chat content parts, an excerpt of the 400's message) on a server of MAX_PIXELS and one image a prompt
+def refused_then_answered(client, parts: tuple[dict, ...], reason: str):
+    """A chat with a bad image is a 400 naming ``reason``, refused before anything is fetched
+    or encoded (within 10 s), and the server answers a good image right after; that answer."""
+    import openai
+
+    began = time.monotonic()
+    try:
+        chat(client, *parts)
+    except openai.BadRequestError as refused:
+        assert refused.status_code == 400 and reason in refused.message, refused.message
+    else:
+        raise AssertionError(f"a bad image was answered; expected a 400 saying {reason!r}")
+    assert time.monotonic() - began < 10
+    return chat(client, image_part(png((64, 64))))
+
+
+def anthropic_refused(client, block: dict, reason: str) -> None:
+    """An Anthropic message with a bad image block is a 400 in Anthropic's error shape naming ``reason``."""
+    import anthropic
+
+    try:
+        message(client, block)
+    except anthropic.BadRequestError as refused:
+        error = refused.body["error"]
+        assert refused.status_code == 400 and error["type"] == "invalid_request_error", refused.body
+        assert reason in error["message"], error["message"]
+    else:
+        raise AssertionError(f"a bad image block was answered; expected a 400 saying {reason!r}")
+
+
 BAD_IMAGES = {
     "not an image": ([image_part(b"GIF89a, then nothing an image has")], "is not an image: send a PNG, JPEG"),
     "too many pixels": ([image_part(png((300, 300)))],
