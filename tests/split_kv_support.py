@@ -422,6 +422,22 @@ def run_case(module, case: Case, device: str | torch.device = "cpu", *, unsplit:
     return out, reference_attention(batch), batch
 
 
+def warm_and_capture(call):
+    """``call`` run once on a side stream (Triton compiles outside the capture), as vLLM warms
+    up before it captures, then captured into a CUDA graph: the graph (its warm-up output left
+    in place for the caller to check)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
 def graph_replay_check(module, kv_int8: bool, device: str = "cuda") -> list[tuple[str, float, bool]]:
     """Capture the kernel in a CUDA graph as vLLM captures (seq_lens filled with 1: fewer
     keys than query tokens), then write real lengths into the same tensors and replay,
@@ -441,18 +457,10 @@ def graph_replay_check(module, kv_int8: bool, device: str = "cuda") -> list[tupl
 
     results = []
     seqused.fill_(1)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+    graph = warm_and_capture(call)
     finite = bool(torch.isfinite(out).all().item())
     results.append(("capture-time lengths (seq_len 1 < 8 query tokens): finite output", 0.0 if finite else float("nan"),
                     finite))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
     for label, lengths in (
         ("replay with contexts 25000/131072/0/4097", real_seq_lens),
         ("replay with contexts 1000/16/0/300", torch.tensor([1000, 16, 0, 300], device=device) + q_len),

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import pytest
 
 from tests.gpu.conftest import record
+from tests.split_kv_support import warm_and_capture
 from tests.support.kv_k4v2 import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, SCALE, attention_errors, load_k4v2
 
 torch = pytest.importorskip("torch")
@@ -216,18 +217,10 @@ def test_captured_graph_serves_later_context_lengths(k4v2, written):
                               seqused_k=seqused_k, block_table=block_table, max_seqlen_q=GRAPH_Q_LEN,
                               softmax_scale=SCALE, workspace=workspace)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+    graph = warm_and_capture(call)
     finite = bool(torch.isfinite(out).all())
     print(f"graph: capture-time lengths (seq_len 1 < {GRAPH_Q_LEN} query tokens): finite output {finite}")
     assert finite
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
     deq_key, deq_value = w.dequantized(k4v2)
     for label, lengths in GRAPH_REPLAYS:
         seqused_k.copy_(torch.tensor(lengths, dtype=torch.int32))
