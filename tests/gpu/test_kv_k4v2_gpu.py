@@ -8,7 +8,9 @@ for bit (shuffled pages, padding slots, a hybrid pool's wider block stride and o
 split-KV attention for decode (1 query token), the K=7 verify (8) and the widest verify
 block (16) against float32 attention over the dequantized cache (kernel bugs: float rounding
 only) and over the unquantized bf16 K/V (the format's quantization error); the kernel
-captured in a CUDA graph as vLLM captures it and replayed at later context lengths. The
+captured in a CUDA graph as vLLM captures it and replayed at later context lengths; the
+prefill path (a chunk of 2,048 query rows deep in the context, as 16-row virtual requests of
+the same kernel) against the torch loop over the dequantized pages, both timed. The
 measured errors are printed (the tier log) and recorded in the tier report. Needs only
 torch + triton (no vLLM). On the lent GPU:
 
@@ -23,7 +25,15 @@ import pytest
 
 from tests.gpu.conftest import record
 from tests.split_kv_support import warm_and_capture
-from tests.support.kv_k4v2 import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, SCALE, attention_errors, load_k4v2
+from tests.support.kv_k4v2 import (
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    NUM_Q_HEADS,
+    SCALE,
+    attention_errors,
+    dequantized_failures,
+    load_k4v2,
+)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -239,3 +249,41 @@ def test_captured_graph_serves_later_context_lengths(k4v2, written):
         print(f"graph replay with {label}: {errors.line()}")
         record(f"kv_k4v2.graph.{label.replace(' ', '_').replace('/', '-')}", asdict(errors))
         assert not errors.failures(), f"{label}: {errors.failures()}"
+
+
+PREFILL_ROWS = 2048  # a chunked-prefill step of `huge` (max_num_batched_tokens)
+
+
+@pytest.mark.parametrize("seq_len", CONTEXTS[:2])
+def test_prefill_chunk_deep_in_the_context_matches_the_torch_loop(k4v2, written, seq_len):
+    """The last 2,048 positions of the request as one prefill chunk (its first 2,048 rows' keys
+    already cached): `prefill_attention` (one launch of the split kernel over 128 virtual
+    requests) against `prefill_attention_reference` (the torch loop over the dequantized pages,
+    float32): the kernel-bug bounds. Both are timed (a figure, not a bound)."""
+    w = written(seq_len)
+    gen = torch.Generator(device=DEVICE).manual_seed(seq_len + 1)
+    q = torch.randn((PREFILL_ROWS, NUM_Q_HEADS, HEAD_DIM), generator=gen, device=DEVICE).bfloat16()
+    args = dict(num_kv_heads=NUM_KV_HEADS, cu_seqlens_q=torch.tensor([0, PREFILL_ROWS], dtype=torch.int32,
+                device=DEVICE), seqused_k=torch.tensor([seq_len], dtype=torch.int32, device=DEVICE),
+                block_table=w.block_table, softmax_scale=SCALE)
+    workspace = k4v2.KVK4V2Workspace(1, k4v2.MAX_VERIFY_TOKENS, NUM_Q_HEADS, device=DEVICE)
+    timings = {}
+    for name, call in (("kernel", lambda o: k4v2.prefill_attention(q, w.cache, o, workspace=workspace, **args)),
+                       ("torch_loop", lambda o: k4v2.prefill_attention_reference(q, w.cache, o, **args))):
+        out = torch.full_like(q, float("nan"))  # the layer's dtype, as vLLM hands it
+        call(out)  # compiles / warms
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call(out)
+        end.record()
+        torch.cuda.synchronize()
+        timings[name] = (out, start.elapsed_time(end))
+    (got, kernel_ms), (loop, loop_ms) = timings["kernel"], timings["torch_loop"]
+    loop = loop.float()
+    failures = dequantized_failures(got, loop)
+    rel = float((got.float() - loop).norm() / loop.norm())
+    print(f"prefill ctx {seq_len}, {PREFILL_ROWS} rows: kernel {kernel_ms:.1f} ms, torch loop {loop_ms:.1f} ms "
+          f"per layer; rel error {rel:.2e}")
+    record(f"kv_k4v2.prefill.ctx{seq_len}", {"kernel_ms": kernel_ms, "torch_loop_ms": loop_ms, "rel_error": rel})
+    assert not failures, failures
