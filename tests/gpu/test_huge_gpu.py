@@ -52,13 +52,8 @@ def servers(tmp_path_factory, tiny_root, api_key_file):
     profiles = {name: derive("huge", slots, extra_engine={**SHARE, **engine}) for name, engine in SERVED.values()}
     s = TinyServers(tmp_path_factory, tiny_root, api_key_file, profiles,
                     {key: (name, {}) for key, (name, _) in SERVED.items()}, label="huge.")
-    try:
-        s.launch("huge")
-        s.gate("huge")
-        s.launch("huge-bf16")
+    with s.started("huge", "huge-bf16"):
         yield s
-    finally:
-        s.stop_all()
 
 
 def test_huge_passes_the_gate_with_the_patched_engine_and_the_k4v2_cache(servers):

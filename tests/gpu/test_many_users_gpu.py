@@ -45,14 +45,8 @@ def servers(tmp_path_factory, tiny_root, api_key_file):
     profiles = {name: derive(real, slots, extra_engine=SHARE) for name, real, slots, _ in SERVED.values()}
     s = TinyServers(tmp_path_factory, tiny_root, api_key_file, profiles,
                     {key: (name, settings) for key, (name, _, _, settings) in SERVED.items()}, label="many-users.")
-    try:
-        s.launch("single-nospec")
-        s.gate("single-nospec")
-        for key in ("single-mtp", "long-mtp", "batch"):
-            s.launch(key)
+    with s.started("single-nospec", "single-mtp", "long-mtp", "batch"):
         yield s
-    finally:
-        s.stop_all()
 
 
 @pytest.mark.parametrize("key", ["single-mtp", "long-mtp"])

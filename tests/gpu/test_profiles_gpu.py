@@ -30,7 +30,7 @@ from tests.conftest import run_cli, spec_decode_delta, stop_server
 from tests.gpu.conftest import record
 from tests.gpu.tiny_profiles import SHARE, TINY, TinyServers, check_plan_is_engine_pool, derive, write_profiles
 from tests.support.chain_copy import greedy_ids
-from tests.support.kv_pool import pools, serve_until_pool_logged
+from tests.support.kv_pool import serve_until_pool_logged
 from tests.support.prefix_cache import kv_block_tokens, sendings, token_prompt
 
 pytestmark = pytest.mark.gpu
@@ -68,14 +68,8 @@ def tier(tmp_path_factory, tiny_root, api_key_file):
     tier = TinyServers(tmp_path_factory, tiny_root, api_key_file, tier_profiles(),
                        {key: (name, {}) for key, name in KEYS.items()})
     STARTED.append(tier)
-    try:
-        tier.launch("single")
-        tier.gate("single")
-        for key in ("single-nospec", "long", "spark-lora"):
-            tier.launch(key)
+    with tier.started("single", "single-nospec", "long", "spark-lora"):
         yield tier
-    finally:
-        tier.stop_all()
 
 
 @pytest.fixture
@@ -227,7 +221,4 @@ def pool_logs(tmp_path_factory, tiny_root, api_key_file):
 
 @pytest.mark.parametrize("case", OTHER_COMBINATIONS, ids=lambda c: f"{c[0]}-pc{int(c[1])}-spec{int(c[2])}")
 def test_plan_equals_the_cuda_engine_with_prefix_caching_and_speculation_on_and_off(pool_logs, case):
-    found = pools(pool_logs[case])
-    record(f"{case[0]}.pc{int(case[1])}.spec{int(case[2])}.pool_tokens",
-           {"planned": found.planned_tokens, "engine": found.engine_tokens})
-    assert (found.planned_tokens, found.planned_concurrency) == (found.engine_tokens, found.engine_concurrency)
+    check_plan_is_engine_pool(pool_logs[case], f"{case[0]}.pc{int(case[1])}.spec{int(case[2])}")

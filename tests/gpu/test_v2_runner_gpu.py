@@ -47,14 +47,8 @@ def servers(tmp_path_factory, tiny_root, api_key_file):
     v2["env"] = {**v2.get("env", {}), **V2_RUNNER}
     s = TinyServers(tmp_path_factory, tiny_root, api_key_file, {"single-tiny": v1, "single-v2-tiny": v2}, SERVED,
                     label="v2-runner.")
-    try:
-        s.launch("v1-nospec")
-        s.gate("v1-nospec")
-        for key in ("v2-nospec", "v1-mtp", "v2-mtp"):
-            s.launch(key)
+    with s.started("v1-nospec", "v2-nospec", "v1-mtp", "v2-mtp"):
         yield s
-    finally:
-        s.stop_all()
 
 
 @pytest.mark.parametrize("key", list(SERVED))

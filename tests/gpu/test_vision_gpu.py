@@ -138,13 +138,8 @@ def servers(tmp_path_factory, tiny_root, api_key_file):
         record(f"vision.{key}.planned", counted)
         served[key] = (name, {**VISION, **THINKING_OFF, **settings})
     s = TinyServers(tmp_path_factory, models, api_key_file, profiles, served, label="vision.")
-    try:
-        s.launch("single")
-        s.gate("single")
-        s.launch("spark-lora")
+    with s.started("single", "spark-lora"):
         yield s
-    finally:
-        s.stop_all()
 
 
 @pytest.fixture

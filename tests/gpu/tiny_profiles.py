@@ -7,6 +7,7 @@ the same `qwen38 serve` path (PROFILES_DIR points at them)."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,20 @@ class TinyServers:
 
     def stop_all(self):
         stop_server(*self.servers.values())
+
+    @contextmanager
+    def started(self, first: str, *rest: str):
+        """``first`` started and gated alone (its cold start timed alone; it fills the shared JIT
+        and compile caches), then ``rest`` side by side, each gated when first used; every
+        server stopped on the way out."""
+        try:
+            self.launch(first)
+            self.gate(first)
+            for key in rest:
+                self.launch(key)
+            yield self
+        finally:
+            self.stop_all()
 
 
 def check_plan_is_engine_pool(log: str, label: str) -> None:
