@@ -40,7 +40,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Any, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -159,6 +159,12 @@ class Capacity(BaseModel):
     mamba_cache_mode: str | None = None
     kv_cache_dtype: str | None = None  # the target's attention layers' KV format
     kv_layout: str | None = None  # who laid its pages out: "vLLM's", or the planner from the format's definition
+
+    def peak_terms(self) -> tuple[list[dict[str, Any]], int, int]:
+        """What a running request's peak is priced from (`entrypoint.kv_capacity.request_blocks`):
+        the groups, the drafter's lookahead slots, and the state block async scheduling keeps in
+        flight per GDN group (1 or 0)."""
+        return [row.model_dump() for row in self.groups], self.lookahead_tokens or 0, int(bool(self.async_scheduling))
 
 
 class Plan(BaseModel):
@@ -521,9 +527,8 @@ def _vision(
     longest = None
     if memory is not None and chosen.bytes_per_block:
         blocks = pool_for_vision(resolved.kv_cache_memory_bytes or 0, memory) // chosen.bytes_per_block
-        rows = [row.model_dump() for row in chosen.groups]
-        in_flight = 1 if chosen.async_scheduling else 0
-        longest = longest_request(rows, blocks, chosen.lookahead_tokens or 0, in_flight, 1)
+        rows, lookahead, in_flight = chosen.peak_terms()
+        longest = longest_request(rows, blocks, lookahead, in_flight, 1)
     return memory, vision_refusal(resolved, memory, longest)
 
 
@@ -583,9 +588,7 @@ def residency(method: str, plan: Plan, concurrency: int, request_tokens: int | N
     (`entrypoint.kv_capacity.request_blocks`, the rule that keeps a request from preempting
     itself)."""
     cap = plan.serving
-    rows = [row.model_dump() for row in cap.groups]
-    lookahead = cap.lookahead_tokens or 0
-    in_flight = 1 if cap.async_scheduling else 0
+    rows, lookahead, in_flight = cap.peak_terms()
     num_blocks = cap.num_blocks or 0
     longest = min(plan.max_model_len, longest_request(rows, num_blocks, lookahead, in_flight, concurrency))
     resident = None
