@@ -139,6 +139,10 @@ SERVED: dict[str, Served] = {
                                        workloads=("c1", "steps"), profiled=True),
     "single-nospec-v2-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False, env=V2_RUNNER,
                                           workloads=("c1", "steps"), profiled=True),
+    # `huge` (issue 56): the k4v2 pool the plan names, the verify step and the prefill at 25k and
+    # 128k of context through the k4v2 kernels (the 245k request to its end takes a lease of its own:
+    # `long`'s int8 KV prefilled 128k in 175 s on the H200).
+    "huge-full": Served("huge", HEADLESS_3090_BYTES, workloads=("c1", "verify")),
     # Both on Marlin, as on the 3090: Hopper would serve W4A16 with Machete, which takes no int8
     # activations (the 2026-12-07 lease measured the switch doing nothing there).
     "batch-full": Served("batch", HEADLESS_3090_BYTES, env=MARLIN_AS_ON_THE_3090, workloads=("users",)),
@@ -148,7 +152,7 @@ SERVED: dict[str, Served] = {
 # The artifacts the 3090 profiles serve (`single`, `long`): what `generate` writes when no
 # `spark-lora` copy is served.
 RTX3090_VARIANTS = ("qwen3.8-27b-w4a16", "qwen3.8-27b-dflash2-w4a16")
-CAPPED = ("single", "long", "batch")  # the profiles whose budget is a headless 3090's
+CAPPED = ("single", "long", "batch", "huge")  # the profiles whose budget is a headless 3090's
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ TEXT = json.loads((MODEL_CONFIGS / "qwen3.8-27b-w4a16" / "config.json").read_tex
 
 
 def test_derived_profiles_change_only_the_model_origins_and_the_memory_cap():
-    for name in ("single", "long", "spark-lora"):
+    for name in ("single", "long", "spark-lora", "huge"):
         real = load_profile(name)
         data = fs.derive_profile(name, cap_fraction=0.17 if name in fs.CAPPED else None)
         derived = Profile.model_validate({"name": f"{name}-full", **data})
