@@ -53,7 +53,7 @@ def unique_prefix(client: StackClient, model: str, tokens: int) -> str:
     return text(low)
 
 
-def _settled_hits(client: StackClient, previous: float | None = None) -> float:
+def settled_hits(client: StackClient, previous: float | None = None) -> float:
     """Read the counter until two reads agree (metrics trail the response slightly)."""
     last = client.metrics().total(HITS)
     for _ in range(20):
@@ -90,14 +90,14 @@ def validate_cache_isolation(
     steps = [("base first", base, False), ("base repeat", base, True)]
     if adapter is not None:
         steps += [("adapter first after base", adapter, False), ("adapter repeat", adapter, True)]
-    hits = _settled_hits(client)
+    hits = settled_hits(client)
     for name, model, expect_hits in steps:
         try:
             cached = _one_request(client, model, prompt)
         except httpx.HTTPError as exc:
             report.add(name, model, False, str(exc)[:300])
             return report
-        now = _settled_hits(client, hits)
+        now = settled_hits(client, hits)
         delta, hits = now - hits, now
         ok = (delta > 0 and cached > 0) if expect_hits else (delta == 0 and cached == 0)
         want = "> 0" if expect_hits else "0"

@@ -3,8 +3,8 @@
 Each copy keeps its profile's engine settings (tests/gpu/tiny_profiles.py: DFlash2 K=7, KV dtype,
 prefix caching, CUDA graphs, the GDN Triton prefill, a shared GPU) with the tiny target that has a
 tower (`qwen38 generate --size tiny-vision`, tests/support/vision_serving.py) and the tiny DFlash2
-drafter. `spark-lora`'s copy serves no adapter: the tiny adapter is bound to the text-only target
-(`derive_vision`), so images beside an adapter are not covered here.
+drafter. `spark-lora`'s copy serves its adapter id too: the tiny vision target's rank-1 adapter, built
+by the converter an owner's `qwen38 prepare --profile spark-lora` runs (`derive_vision`).
 
 The pool is the one `qwen38 plan` names: with VISION=true it refuses the copy's own pinned pool
 (sized for text alone) and says the pool that leaves room for the tower and the encoder cache; each
@@ -19,7 +19,9 @@ verify, plan, launch and the readiness gate. Checked on each server:
   the server answers the next image;
 - `qwen38 validate apis` and `validate clients` pass with their image rows;
 - a repeated image prompt hits the prefix cache on its second sending, and the same text with
-  another image reuses nothing.
+  another image reuses nothing;
+- on `spark-lora`, the adapter id answers an image chat with the adapter applied, and an image
+  prompt's blocks never pass from the base id to the adapter id (each id's repeat reuses its own).
 
 Figures (tests/gpu/conftest.py `record`, under ``vision.``): ready seconds, the pool the planner
 named, the tower and encoder cache it counted, the encoder budget the engine logged, and the time
@@ -51,6 +53,7 @@ from tests.gpu.tiny_profiles import (
 )
 from tests.support.prefix_cache import kv_block_tokens
 from tests.support.vision_serving import (
+    ADAPTER_MODEL,
     BAD_IMAGE_BLOCKS,
     BAD_IMAGES,
     MAX_PIXELS,
@@ -58,7 +61,10 @@ from tests.support.vision_serving import (
     anthropic_refused,
     cached_image_prompt,
     chat,
+    check_adapter_applied_to_images,
+    check_image_cache_isolation,
     image_block,
+    image_cache_isolation,
     image_part,
     message,
     png,
@@ -199,7 +205,7 @@ def test_profile_passes_the_gate_with_vision_on_and_plans_the_pool_the_engine_bu
     budget, loading = ENCODER_BUDGET.search(log), MODEL_LOADING.search(log)
     assert budget, f"the engine did not profile the vision encoder:\n{log[-3000:]}"
     with StackClient(server.base_url, server.api_key) as client:
-        assert sorted(client.model_ids()) == [MODEL]  # no adapter id: the copy serves none
+        assert client.model_ids() == ([MODEL, ADAPTER_MODEL] if server.profile == PROFILES["spark-lora"] else [MODEL])
     key = _key(server)
     record(f"vision.{key}.engine", {"encoder_budget_tokens": int(budget[1]),
                                     "model_loading_gib": float(loading[1]) if loading else None})
@@ -281,3 +287,16 @@ def test_time_to_first_token_of_an_image_chat(server, openai_client):
         "text_median": round(statistics.median(text), 4), "image_median": round(statistics.median(image), 4),
     })
     assert all(s > 0 for s in image)
+
+
+@pytest.mark.parametrize("server", ["spark-lora"], indirect=True)
+def test_the_adapter_id_answers_an_image_chat_with_the_adapter_applied(server, openai_client):
+    check_adapter_applied_to_images(openai_client)
+
+
+@pytest.mark.parametrize("server", ["spark-lora"], indirect=True)
+def test_prefix_caching_keeps_an_image_prompt_of_the_base_id_from_the_adapter_id(server, openai_client):
+    block = kv_block_tokens(server.log.read_text(errors="replace"))
+    steps = image_cache_isolation(openai_client, server.base_url, server.api_key, 4 * block + 130)
+    record("vision.spark-lora.adapter_cache_isolation", {step: list(v) for step, v in steps.items()})
+    check_image_cache_isolation(steps)

@@ -15,12 +15,13 @@ from typing import Any
 import tomli_w
 
 from core.profiles import load_profile
+from prepare.adapter import TRANSFORM as ADAPTER_TRANSFORM
 from prepare.generate import DEFAULT_SEED, write_model
 from prepare.synthetic import TINY as TINY_SHAPES
 from tests.conftest import launch_server, stop_server, wait_ready
 from tests.gpu.conftest import record
 from tests.support.kv_pool import pools
-from tests.support.vision_serving import VISION_TARGET
+from tests.support.vision_serving import VISION_ADAPTER, VISION_TARGET
 
 TINY_MAX_MODEL_LEN = 8192
 # The GPU profiles' slots as `qwen38 tiny` generates them (the DFlash2 drafter: drafter2).
@@ -70,14 +71,15 @@ def derive(name: str, models: dict[str, str], *, extra_engine: dict[str, Any] | 
 
 
 def derive_vision(name: str, *, extra_engine: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`derive` of profile ``name`` onto `TINY_VISION`, serving no adapter.
-
-    The tiny adapter is bound to the text-only target (its manifest records the target it was
-    built from, and `qwen38 verify` refuses it beside another), so a profile's adapter goes,
-    with its served id and LoRA settings (a profile has all three or none)."""
-    data = derive(name, TINY_VISION, extra_engine=extra_engine)
-    data["served"].pop("adapter", None)
-    data.pop("lora", None)
+    """`derive` of profile ``name`` onto `TINY_VISION`; a profile with an adapter serves the tiny
+    vision target's own (`VISION_ADAPTER`, built by `vision_models` with the converter an owner's
+    `qwen38 prepare --profile spark-lora` runs: the `cpu` profile's tiny adapter is bound to the
+    text-only target)."""
+    adapter = load_profile(name).models.adapter is not None
+    data = derive(name, {**TINY_VISION, "adapter": VISION_ADAPTER} if adapter else TINY_VISION,
+                  extra_engine=extra_engine)
+    if adapter:
+        data["models"]["adapter"]["transform"] = ADAPTER_TRANSFORM
     return data
 
 

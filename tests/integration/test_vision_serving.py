@@ -1,10 +1,15 @@
 """Images in, end to end (issue 58): `qwen38 serve` with VISION=true serves the tiny vision model
-on vLLM 0.28.0's CPU build (`cpu-vision`: the `cpu` profile with the tiny-vision target,
+on vLLM 0.28.0's CPU build (`cpu-vision`: the `cpu` profile with the tiny-vision target and its
+rank-1 adapter as the second id, built by `qwen38 adapter build`'s converter from that target:
 tests/support/vision_serving.py), and the official SDKs see the answers and the 400s.
 
 - OpenAI chat completions and Responses with a PNG data URL are answered; the prompt grows by the
   image's tokens (64 x 64: 4, 128 x 128: 16, plus the vision start and end tokens); prefix caching
   reuses a prompt's blocks only with the same image;
+- the adapter id answers an image chat with the adapter applied (other tokens and logprobs than the
+  base id's for the same prompt, the same image tokens in it), and the image reaches it; prefix
+  caching never carries an image prompt's blocks from the base id to the adapter id, while a repeat
+  to either id reuses them (`cached_tokens` and vLLM's prefix-cache hit counter);
 - not an image, too many pixels, too many images, an http URL on a host not listed: 400 with the
   reason, and the server answers the next request;
 - image URLs (VISION_URL_DOMAINS=127.0.0.1, a web server of the test's): a PNG there is fetched
@@ -15,7 +20,7 @@ tests/support/vision_serving.py), and the official SDKs see the answers and the 
 - Anthropic messages (the official SDK): a base64 image block is answered, its image tokens in
   the prompt (patch 0086: the engine's processor choice reaches every route); a bad one is a 400
   in Anthropic's shape;
-- `qwen38 validate apis` and `validate clients` (the official SDKs) run their image checks against it;
+- `qwen38 validate apis` and `validate clients` (the official SDKs) run their image checks against its base id;
 - the shipped `cpu` profile (a target without a tower) refuses VISION=true in one line;
 - `qwen38 plan` refuses `single`'s own pool with VISION=true and names the pool that fits.
 """
@@ -32,6 +37,7 @@ import pytest
 
 from tests.conftest import CACHE_PREFIX_TOKENS, clean_env, free_port, launch_server, run_cli, stop_server, wait_ready
 from tests.support.vision_serving import (
+    ADAPTER_MODEL,
     BAD_IMAGE_BLOCKS,
     BAD_IMAGES,
     IMAGE_HOST,
@@ -41,7 +47,10 @@ from tests.support.vision_serving import (
     anthropic_refused,
     cached_image_prompt,
     chat,
+    check_adapter_applied_to_images,
+    check_image_cache_isolation,
     image_block,
+    image_cache_isolation,
     image_host,
     image_part,
     image_url_part,
@@ -59,7 +68,7 @@ pytestmark = pytest.mark.integration
 def server(tmp_path_factory, tiny_root, api_key_file):
     tmp = tmp_path_factory.mktemp("vision-serving")
     models = vision_models(tmp / "models", tiny_root)
-    profiles = vision_profiles(tmp / "profiles")
+    profiles = vision_profiles(tmp / "profiles", adapter=True)
     launched = launch_server(tmp, models, api_key_file, "cpu-vision", PROFILES_DIR=str(profiles), VISION="true",
                              VISION_MAX_PIXELS=str(MAX_PIXELS), VISION_URL_DOMAINS=IMAGE_HOST,
                              # vLLM's 5 s fetch timeout, tried thrice (x 4 each time), would hold the
@@ -110,6 +119,17 @@ def test_prefix_caching_reuses_a_prompt_only_with_the_same_image(server, openai_
     assert max(cached(blue)[1], cached(blue)[1]) > 0 and cached(red)[1] > 0
 
 
+def test_the_adapter_id_answers_an_image_chat_with_the_adapter_applied(server, openai_client):
+    assert server.status()["model_ids"] == [MODEL, ADAPTER_MODEL]
+    check_adapter_applied_to_images(openai_client)
+
+
+def test_prefix_caching_keeps_an_image_prompt_of_the_base_id_from_the_adapter_id(server, openai_client):
+    steps = image_cache_isolation(openai_client, server.base_url, server.api_key, CACHE_PREFIX_TOKENS)
+    print(f"\nan image prompt's (cached tokens, prefix-cache hits) by step: {steps}")
+    check_image_cache_isolation(steps)
+
+
 @pytest.mark.parametrize("case", BAD_IMAGES)
 def test_a_bad_image_is_a_400_with_the_reason_and_the_server_keeps_serving(openai_client, case):
     after = refused_then_answered(openai_client, *BAD_IMAGES[case])
@@ -135,8 +155,10 @@ def test_an_anthropic_image_block_is_answered_with_its_image_tokens(anthropic_cl
     assert image.usage.input_tokens - text.usage.input_tokens == 4 + 2  # 64 x 64: 4 tokens, start and end
 
 
+# The validators check the base id alone here: each check again for the adapter id cost ~30 s of the
+# 2-core machine and proves what test_cpu_profile proves per id; the adapter id's images are the tests above.
 def test_validate_apis_checks_images_on_a_server_with_vision_on(server):
-    done = run_cli("validate", "apis", "--base-url", server.base_url, "--json",
+    done = run_cli("validate", "apis", "--base-url", server.base_url, "--json", "--model", MODEL,
                    env={**server.env, "VLLM_API_KEY": server.api_key, "API_KEY_FILE": ""})
     report = json.loads(done.stdout)
     outcomes = {check["name"]: check["outcome"] for check in report["checks"]}
@@ -146,7 +168,7 @@ def test_validate_apis_checks_images_on_a_server_with_vision_on(server):
 
 
 def test_validate_clients_sends_images_through_both_sdks(server):
-    done = run_cli("validate", "clients", "--base-url", server.base_url, "--json",
+    done = run_cli("validate", "clients", "--base-url", server.base_url, "--json", "--model", MODEL,
                    env={**server.env, "VLLM_API_KEY": server.api_key, "API_KEY_FILE": ""})
     report = json.loads(done.stdout)
     outcomes = {check["name"]: check for check in report["checks"]}

@@ -3,9 +3,15 @@
 The shipped `cpu` profile's target (`qwen38 tiny`'s `Qwen3_5ForCausalLM`) has no tower, so
 VISION=true is refused there. `cpu-vision` is the `cpu` profile with one change of model: its
 target is `qwen38 generate --size tiny-vision` (the same tiny text model as a
-`Qwen3_5ForConditionalGeneration` with a generated 2-block ViT), and it serves no adapter (the
-tiny adapter is bound to the text-only target). Everything else, the engine table included, is
-the `cpu` profile's.
+`Qwen3_5ForConditionalGeneration` with a generated 2-block ViT), and it runs eager. Its adapter
+slot is either gone (``vision_profiles(..., adapter=False)``: the base id alone) or the vision
+target's own rank-1 adapter (``adapter=True``; the cpu profile's tiny adapter is bound to the
+text-only target), which `vision_models` builds with the converter an owner's `qwen38 prepare
+--profile spark-lora` runs. Everything else, the rest of the engine table included, is the `cpu`
+profile's. (Without an adapter vLLM's CPU platform no longer turns graph compilation off, as it
+does for every LoRA engine: the cold torch.compile warm-up of the tower and the text model held
+the start ~55 s on the 2-core machine; nothing the CPU tests prove depends on it, and the GPU
+tier serves the model compiled, tests/gpu/test_vision_gpu.py.)
 
 The requests both tiers send (tests/integration/test_vision_serving.py on the CPU build,
 tests/gpu/test_vision_gpu.py on CUDA) live here too: a PNG as a chat part or an Anthropic block,
@@ -28,27 +34,39 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from core.profiles import PROFILES_DIR
-from prepare.generate import generate_model
-from prepare.synthetic import TINY_VISION_PRESET
+from prepare.adapter import TRANSFORM, build_adapter
+from prepare.generate import DEFAULT_SEED, TINY_ADAPTER_STRENGTH, generate_model, write_directions
+from prepare.synthetic import TINY_VISION, TINY_VISION_PRESET
 
 VISION_TARGET = "tiny/target-vision"
+VISION_DIRECTIONS = "tiny/directions-vision"  # the tiny directions, drawn for the vision target's modules
+VISION_ADAPTER = "tiny/adapter-vision"  # `qwen38 adapter build` of the vision target and those directions
 MODEL = "qwen3.8-27b"
+ADAPTER_MODEL = "qwen3.8-27b-mode-b"  # the adapter's id (the cpu profile's)
 MAX_PIXELS = 256 * 256  # the tiny processor's own largest image: the servers' VISION_MAX_PIXELS
 QUESTION = "What is in the picture?"
 URL_REFUSED = "image URLs are fetched only from hosts in VISION_URL_DOMAINS"
 
 
-def vision_profiles(directory: Path) -> Path:
-    """``directory`` with the repository's profiles plus `cpu-vision`."""
+def vision_profiles(directory: Path, *, adapter: bool = False) -> Path:
+    """``directory`` with the repository's profiles plus `cpu-vision`: without ``adapter`` it serves
+    the base id alone; with it, also the cpu profile's adapter id from VISION_ADAPTER, a slot of
+    `adapter-build` over generated inputs (`vision_models` builds it), as `spark-lora`'s slot is over
+    pinned ones."""
     directory.mkdir(parents=True, exist_ok=True)
     for path in PROFILES_DIR.glob("*.toml"):
         shutil.copy(path, directory)
     text = (PROFILES_DIR / "cpu.toml").read_text()
+    slot = '[models.adapter]\ndir = "tiny/adapter"\ngenerated = "tiny"\n'
+    if adapter:
+        built = f'[models.adapter]\ndir = "{VISION_ADAPTER}"\ngenerated = "tiny"\ntransform = "{TRANSFORM}"\n'
+        edits = [(slot, built)]
+    else:
+        edits = [(f'adapter = "{ADAPTER_MODEL}"\n', ""), (slot, ""), ("[lora]\nmax_lora_rank = 1\nmax_loras = 1\n", "")]
     for old, new in (
         ('[models.target]\ndir = "tiny/target"', f'[models.target]\ndir = "{VISION_TARGET}"'),
-        ('adapter = "qwen3.8-27b-mode-b"\n', ""),
-        ('[models.adapter]\ndir = "tiny/adapter"\ngenerated = "tiny"\n', ""),
-        ("[lora]\nmax_lora_rank = 1\nmax_loras = 1\n", ""),
+        *edits,
+        ("\n[engine]\n", "\n[engine]\nenforce_eager = true  # uncompiled, as the cpu profile's LoRA engines run\n"),
     ):
         assert text.count(old) == 1, old
         text = text.replace(old, new)
@@ -57,11 +75,19 @@ def vision_profiles(directory: Path) -> Path:
 
 
 def vision_models(root: Path, tiny_root: Path) -> Path:
-    """MODELS_DIR ``root``: the session's tiny models (linked) and the tiny vision target."""
+    """MODELS_DIR ``root``: the session's tiny models (linked), the tiny vision target and its adapter.
+
+    The adapter is made as an owner makes `spark-lora`'s (`qwen38 prepare` -> `build_adapter`, the
+    converter of `qwen38 adapter build`), from the vision target's checkpoint (its modules under
+    `model.language_model.*`, as the hub checkpoint's) and directions drawn for it as `qwen38 tiny`
+    draws the cpu profile's (c = 100 each); ~0.1 s."""
     (root / "tiny").mkdir(parents=True, exist_ok=True)
     for part in (tiny_root / "tiny").iterdir():
         (root / "tiny" / part.name).symlink_to(part, target_is_directory=True)
-    generate_model(root / VISION_TARGET, TINY_VISION_PRESET, "qwen3.8-27b-bf16")
+    target = generate_model(root / VISION_TARGET, TINY_VISION_PRESET, "qwen3.8-27b-bf16")
+    write_directions(root / VISION_DIRECTIONS, target, TINY_VISION, DEFAULT_SEED, name="directions",
+                     strength=TINY_ADAPTER_STRENGTH)
+    build_adapter(target, root / VISION_DIRECTIONS, root / VISION_ADAPTER)
     return root
 
 
@@ -88,10 +114,10 @@ def image_block(raw: bytes) -> dict:
                                         "data": base64.b64encode(raw).decode()}}
 
 
-def chat(client, *parts: dict, **extra):
+def chat(client, *parts: dict, model: str = MODEL, **extra):
     """One greedy chat completion (8 tokens) of ``parts`` and the question, through the OpenAI SDK."""
     content = [*parts, {"type": "text", "text": QUESTION}]
-    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
                                           max_tokens=8, temperature=0, **extra)
 
 
@@ -103,13 +129,59 @@ def respond(client, raw: bytes):
                                    max_output_tokens=8, temperature=0)
 
 
-def cached_image_prompt(client, raw: bytes, text: str, **extra) -> tuple[int, int]:
+def cached_image_prompt(client, raw: bytes, text: str, model: str = MODEL, **extra) -> tuple[int, int]:
     """(prompt tokens, cached tokens) of one chat of the image ``raw`` followed by ``text`` (OpenAI SDK)."""
     content = [image_part(raw), {"type": "text", "text": text}]
-    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+    answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
                                             max_tokens=2, temperature=0, **extra)
     return answer.usage.prompt_tokens, answer.usage.prompt_tokens_details.cached_tokens
 
+
+
+def check_adapter_applied_to_images(client) -> None:
+    """On a server of MODEL and ADAPTER_MODEL: an image chat to the adapter id is answered with the
+    adapter applied (the converter's `model.language_model.layers.N...` names reached the VL model's
+    language model through its `hf_to_vllm_mapper`: an adapter that loaded nothing answers as the
+    base), with the same image tokens in the prompt, and the image reaches the adapted model."""
+    red, blue = image_part(png((64, 64), (200, 0, 0))), image_part(png((64, 64), (0, 0, 200)))
+    base, adapted, other = (chat(client, image, model=model, logprobs=True)
+                            for image, model in ((red, MODEL), (red, ADAPTER_MODEL), (blue, ADAPTER_MODEL)))
+    assert adapted.model == ADAPTER_MODEL and adapted.usage.completion_tokens == 8
+    assert adapted.usage.prompt_tokens == base.usage.prompt_tokens == other.usage.prompt_tokens
+    assert adapted.choices[0].message.content != base.choices[0].message.content
+    first = [answer.choices[0].logprobs.content[0] for answer in (base, adapted, other)]
+    assert first[0].token != first[1].token or abs(first[0].logprob - first[1].logprob) > 0.05
+    assert first[1].logprob != first[2].logprob  # the image's embeddings reach the adapted model too
+
+
+def image_cache_isolation(client, base_url: str, api_key: str, prefix_tokens: int) -> dict[str, tuple[int, float]]:
+    """`validate cache-isolation`'s four steps with an image first in the prompt (a text of
+    ``prefix_tokens`` after it): step -> (cached tokens, prefix-cache hits the server counted).
+    vLLM keys the blocks by the image's hash and the adapter, so the adapter's first sending
+    reuses none of the base's blocks, and each repeat reuses its own; the caller asserts that."""
+    from entrypoint.client import StackClient
+    from entrypoint.validate.cache_isolation import settled_hits, unique_prefix
+
+    raw = png((64, 64), (30, 160, 60))
+    with StackClient(base_url, api_key) as stack:
+        text = unique_prefix(stack, MODEL, prefix_tokens)
+
+        def sent(model: str) -> tuple[int, float]:
+            before = settled_hits(stack)
+            _, cached = cached_image_prompt(client, raw, text, model=model)
+            return cached, settled_hits(stack, before) - before
+
+        return {step: sent(model) for step, model in (("base first", MODEL), ("base repeat", MODEL),
+                                                       ("adapter first", ADAPTER_MODEL),
+                                                       ("adapter repeat", ADAPTER_MODEL))}
+
+
+def check_image_cache_isolation(steps: dict[str, tuple[int, float]]) -> None:
+    """`image_cache_isolation`'s steps: nothing crosses from the base id to the adapter id, and a
+    repeat to either id reuses the same blocks' worth, its own."""
+    assert steps["base first"] == (0, 0) and steps["adapter first"] == (0, 0), steps
+    assert min(steps["base repeat"]) > 0 and min(steps["adapter repeat"]) > 0, steps
+    assert steps["adapter repeat"][0] == steps["base repeat"][0], steps
 
 def message(client, *blocks: dict):
     """One message (8 tokens) of ``blocks`` and the question, through the Anthropic SDK."""

@@ -24,6 +24,7 @@ from prepare.adapter import (
 )
 from prepare.checkpoint_writer import write_checkpoint
 from prepare.directions import target_modules, write_directions
+from prepare.weight_formats import linear_modules
 from tests.support.identified import seal
 from tests.support.quantize import stored_module
 
@@ -186,6 +187,25 @@ def test_vllm_maps_every_adapter_tensor_onto_its_qwen35_module(tmp_path, prefix,
         vllm_prefix + module[len(prefix) :]: ((1, w.shape[1]), (w.shape[0], 1)) for module, w in reference.items()
     }
     assert parsed == expected
+
+
+def test_a_checkpoint_with_a_vision_tower_gets_lora_on_its_language_model_alone(tmp_path):
+    """The generated tiny-vision target (hub names: `model.language_model.*` and a tower under
+    `model.visual.*`, whose `attn.proj` and `linear_fc2` write its own residual): the adapter
+    covers the decoder layers only, and vLLM puts every tensor on Qwen3_5ForConditionalGeneration's
+    language model (`language_model.model.*`), the part vLLM applies LoRA to by default."""
+    from prepare.generate import DEFAULT_SEED, generate_model
+    from prepare.generate import write_directions as generate_directions
+    from prepare.synthetic import TINY_VISION, TINY_VISION_PRESET
+
+    model = generate_model(tmp_path / "target", TINY_VISION_PRESET, "qwen3.8-27b-bf16")
+    assert any(m.startswith("model.visual.blocks.") for m in linear_modules(open_checkpoint(model)))
+    generate_directions(tmp_path / "directions", model, TINY_VISION, DEFAULT_SEED)
+    record = build_adapter(model, tmp_path / "directions", tmp_path / "lora")
+    modules = [m["module"] for m in record["modules"]]
+    assert len(modules) == 8 and all(m.startswith("model.language_model.layers.") for m in modules)
+    parsed = _vllm_module_names(tmp_path / "lora", "Qwen3_5ForConditionalGeneration")
+    assert set(parsed) == {"language_model.model." + m.removeprefix("model.language_model.") for m in modules}
 
 
 def test_adapter_config_is_a_rank_1_alpha_1_peft_lora_of_exactly_the_targets(tmp_path, bf16_model):
