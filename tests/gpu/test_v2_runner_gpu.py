@@ -29,12 +29,14 @@ pytestmark = pytest.mark.gpu
 SHARE = {"gpu_memory_utilization": 0.1}
 V2_RUNNER = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 NOSPEC, MTP = {"SPECULATION": "false"}, {"SPECULATION": "mtp"}
-# key -> (profile file, qwen38 serve's settings); the profiles differ only in [env].
+# key -> (profile file, qwen38 serve's settings); the V1 and V2 profiles differ only in [env]. One
+# file per copy: `qwen38 serve` serves a profile once per CACHE_DIR (its lock refused the second
+# copy of a shared file on the 2026-12-07 H100 tier).
 SERVED = {
-    "v1-nospec": ("single-tiny", NOSPEC),
-    "v2-nospec": ("single-v2-tiny", NOSPEC),
-    "v1-mtp": ("single-tiny", MTP),
-    "v2-mtp": ("single-v2-tiny", MTP),
+    "v1-nospec": ("single-v1-nospec-tiny", NOSPEC),
+    "v2-nospec": ("single-v2-nospec-tiny", NOSPEC),
+    "v1-mtp": ("single-v1-mtp-tiny", MTP),
+    "v2-mtp": ("single-v2-mtp-tiny", MTP),
 }
 # The runners' lines as the model loads: V2's and V1's (vLLM 0.28.0's model runners).
 V2_LOAD_LINE, V1_LOAD_LINE = "Loading model from scratch", "Starting to load model"
@@ -42,11 +44,13 @@ V2_LOAD_LINE, V1_LOAD_LINE = "Loading model from scratch", "Starting to load mod
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory, tiny_root, api_key_file):
-    v1 = derive("single", TINY, extra_engine=SHARE)
-    v2 = derive("single", TINY, extra_engine=SHARE)
-    v2["env"] = {**v2.get("env", {}), **V2_RUNNER}
-    s = TinyServers(tmp_path_factory, tiny_root, api_key_file, {"single-tiny": v1, "single-v2-tiny": v2}, SERVED,
-                    label="v2-runner.")
+    profiles = {}
+    for key, (name, _) in SERVED.items():
+        data = derive("single", TINY, extra_engine=SHARE)
+        if key.startswith("v2"):
+            data["env"] = {**data.get("env", {}), **V2_RUNNER}
+        profiles[name] = data
+    s = TinyServers(tmp_path_factory, tiny_root, api_key_file, profiles, SERVED, label="v2-runner.")
     with s.started("v1-nospec", "v2-nospec", "v1-mtp", "v2-mtp"):
         yield s
 
