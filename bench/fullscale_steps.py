@@ -47,7 +47,6 @@ from entrypoint.lifecycle import process_alive, process_session
 from entrypoint.patches import find_vllm_dir
 from entrypoint.resolve import resolve_speculative
 from entrypoint.run_files import status_path
-from prepare.generate import BLOCK_BYTES, draw_block, generate
 from prepare.synthetic import TINY_PRESET, Recipe, StoredTensor, preset, stored_bytes, variant_tensors
 
 # An RTX 3090 as CUDA reports it on Linux: 24268 MiB, 25,447,170,048 B (deviceQuery; PyTorch's
@@ -307,6 +306,8 @@ def measure_rates() -> dict[str, float]:
 
     import torch
 
+    from prepare.generate import BLOCK_BYTES, draw_block
+
     torch.set_num_threads(1)
     cases = {
         "int4": StoredTensor("int4", "I32", (17408, 640), Recipe("int4_ct")),
@@ -500,6 +501,8 @@ def step_generate(root: Path, size: str, workers: int | None, disk_bytes: int = 
         check_disk_room(models, size, only)
     result: dict[str, Any] = {"disk": disk_speed(models.parent, disk_bytes), "only": only}
     _write(root, "generate", result)
+
+    from prepare.generate import generate  # torch: imported by the step that draws, not by every `qwen38 bench`
 
     generated = generate(models, size, workers=workers, keep_current=True, only=only)
     result["generated"] = generated.summary()

@@ -3,6 +3,7 @@ started from the `cpu` profile through `qwen38 serve` (once per session and vari
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -11,8 +12,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -134,6 +137,20 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
     return subprocess.run(
         [*QWEN38, *args], env=env or clean_env(), cwd=cwd or os.getcwd(), capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_cli_here(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`run_cli` in this process: the command line's own entry point (`entrypoint.cli.main`, what
+    `python -m entrypoint.cli` exits with) under ``env`` alone, its output captured. For `qwen38
+    bench` against a running server: a new Python spent ~4 s importing the bench command (torch
+    among it) on every run. A command that raises what the CLI does not turn into a line
+    raises here."""
+    from entrypoint import cli  # as the other project imports here: after this module has set the environment up
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, env, clear=True), redirect_stdout(stdout), redirect_stderr(stderr):
+        code = cli.main(list(args))
+    return subprocess.CompletedProcess([*QWEN38, *args], code, stdout.getvalue(), stderr.getvalue())
 
 
 @pytest.fixture(scope="session")
@@ -260,8 +277,14 @@ def stop_server(*servers: Server) -> None:
     running = [server for server in servers if server.process.poll() is None]
     for server in running:
         server.process.send_signal(signal.SIGTERM)
+    wait_stopped(*running)
+
+
+def wait_stopped(*servers: Server) -> None:
+    """The wait of `stop_server` for servers already sent SIGTERM: one still there 90 s on is
+    killed, group and all."""
     deadline = time.monotonic() + 90
-    for server in running:
+    for server in servers:
         try:
             server.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -291,12 +314,17 @@ class SessionServers:
     """The session's servers, launched side by side when the session starts (only those its
     tests ask for): their starts, mostly Python importing vLLM in three processes each, then
     overlap with each other and with the tests that run first, instead of queueing one after
-    the other on a 2-core machine. Each is gated before it is handed out."""
+    the other on a 2-core machine. Each is gated before it is handed out, and sent SIGTERM
+    once the last test of the session that asks for it is done (`stop` waits for it): an idle
+    server still takes ~3 % of a core (its watchdog reading /metrics, vLLM's stats), and the
+    later modules, which time what they start, ran beside all four."""
 
     def __init__(self, factory, models: Path, key_file: Path):
         self.factory, self.models, self.key_file = factory, models, key_file
         self.launched: dict[str, Server] = {}
         self.ready: dict[str, Server] = {}
+        self.last_users: dict[str, str] = {}  # server name -> node id of the last test that asks for it
+        self.retired: set[str] = set()
 
     def launch(self, name: str) -> None:
         if name not in self.launched:
@@ -309,8 +337,21 @@ class SessionServers:
             self.ready[name] = wait_ready(self.launched[name])
         return self.ready[name]
 
+    def done_with(self, item: pytest.Item) -> None:
+        """After ``item`` (its fixtures torn down): SIGTERM to each server whose last test it was,
+        not waited for (its stop overlaps the tests that follow)."""
+        for name, nodeid in self.last_users.items():
+            if nodeid == item.nodeid and name in self.launched and name not in self.retired:
+                self.retired.add(name)
+                if self.launched[name].process.poll() is None:
+                    self.launched[name].process.send_signal(signal.SIGTERM)
+
     def stop(self) -> None:
-        stop_server(*self.launched.values())
+        stop_server(*(server for name, server in self.launched.items() if name not in self.retired))
+        wait_stopped(*(self.launched[name] for name in self.retired))
+
+
+SESSION_SERVERS_KEY = pytest.StashKey[SessionServers]()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -323,10 +364,24 @@ def session_servers(request, tmp_path_factory) -> Iterator[SessionServers | None
     servers = SessionServers(
         tmp_path_factory, request.getfixturevalue("tiny_root"), request.getfixturevalue("api_key_file")
     )
+    for item in request.session.items:  # in the order they run
+        for name in set(getattr(item, "fixturenames", ())) & set(SESSION_SERVERS):
+            servers.last_users[name] = item.nodeid
     for name in wanted:
         servers.launch(name)
+    request.config.stash[SESSION_SERVERS_KEY] = servers
     yield servers
+    del request.config.stash[SESSION_SERVERS_KEY]
     servers.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    servers = item.config.stash.get(SESSION_SERVERS_KEY, None)
+    if servers is not None:
+        servers.done_with(item)
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,11 @@ What a new user could do wrong or run into, each kept fixed here:
 - a reverted or an edited patched file; a corrupted model, its repair, a repair killed
   half-way; a garbage ``.env``.
 
-The stop tests' servers start side by side, each with the plans and vLLM caches of the shared
+The stop tests' servers start side by side when the module starts, while the key, port and
+patch-delivery tests (which time nothing) run, each with the plans and vLLM caches of the shared
 server, so none of them plans or compiles from scratch; the restart after kill -9 runs in the
-killed server's own cache directory.
+killed server's own cache directory. The corrupted-model test, whose killed repair is a race
+won by polling, runs after them, on a quiet machine.
 """
 
 from __future__ import annotations
@@ -148,6 +150,52 @@ def test_the_gate_and_the_healthcheck_refuse_a_server_started_by_another_instanc
     assert own.returncode == 0 and own.stdout == "ready\n", own.stderr
 
 
+# ---- patch delivery ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def view_env(tiny_root, api_key_file, tmp_path):
+    """A view of the installed vLLM without patch 0077, and the CLI's environment seeing it."""
+    view = view_without(REVERTED, tmp_path / "view")
+    env = clean_env(MODELS_DIR=str(tiny_root), API_KEY_FILE=str(api_key_file), CACHE_DIR=str(tmp_path / "cache"),
+                    PORT=str(free_port()))  # fmt: skip
+    return view, env_with_vllm_view(env, view)
+
+
+def test_a_reverted_patch_stops_verify_and_serve_on_the_cpu_profile_until_it_is_applied(view_env, tmp_path):
+    view, env = view_env
+    check = run_cli("patches", "check", env=env, cwd=tmp_path)
+    verify = run_cli("verify", "--profile", "cpu", env=env, cwd=tmp_path)
+    assert check.returncode == 2 and verify.returncode == 2
+    apply = f"qwen38 patches apply --vllm-dir {view}"
+    assert verify.stderr == (
+        f"qwen38: verify: patches: profile cpu runs the patched engine, but {REVERTED} is not delivered in {view} "
+        f"(not applied to {REVERTED_FILE}); apply the series with `{apply}`\n"
+    )
+    serve = run_cli("serve", "--profile", "cpu", env=env, cwd=tmp_path, timeout=120)
+    assert serve.returncode == 2 and serve.stderr.startswith("qwen38: verify: patches: profile cpu runs the patched")
+    assert "serving profile" not in serve.stdout and not (tmp_path / "cache" / "run" / "cpu.status.json").exists()
+
+    repaired = subprocess.run([*QWEN38, *shlex.split(apply)[1:]], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+    assert repaired.returncode == 0, repaired.stderr
+    again = run_cli("verify", "--profile", "cpu", env=env, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert ";patches=" in again.stdout and "incomplete" not in again.stdout
+
+
+def test_an_edited_patched_file_is_caught_at_verify_naming_the_file(view_env, tmp_path):
+    view, env = view_env
+    edited = view / REVERTED_FILE
+    edited.write_text(edited.read_text() + "\n# a local edit\n")
+    verify = run_cli("verify", "--profile", "cpu", env=env, cwd=tmp_path)
+    assert verify.returncode == 2
+    assert verify.stderr.startswith(
+        f"qwen38: verify: patches: profile cpu runs the patched engine, but {REVERTED} cannot be proven delivered "
+        f"in {view}: no known state (not vLLM 0.28.0, or edited): {REVERTED_FILE}; reinstall the engine"
+    )
+
+
 # ---- stopping: SIGTERM mid-stream, kill -9, restart -------------------------------------------
 
 
@@ -155,19 +203,30 @@ def test_the_gate_and_the_healthcheck_refuse_a_server_started_by_another_instanc
 STOP_SERVERS = {"sigterm": {}, "drain": {"SHUTDOWN_TIMEOUT": "4"}, "kill": {}}
 
 
-@pytest.fixture(scope="module")
-def stop_servers(tmp_path_factory, tiny_root, api_key_file, cpu_server) -> Iterator[dict]:
-    """The stop tests' servers, launched side by side when the first stop test runs (their starts,
-    mostly Python importing vLLM on one core each, overlap instead of queueing) and all gated
-    before any test stops one, so no stop is timed beside a starting server. Each has a
-    CACHE_DIR of its own whose plans and vLLM caches are the session's, where the shared server
-    (same profile and settings) left them: no start here is cold."""
+@pytest.fixture(scope="module", autouse=True)
+def launched_stop_servers(request, tmp_path_factory, tiny_root, api_key_file, cpu_server) -> Iterator[dict]:
+    """The stop tests' servers, launched side by side when the module starts (where a stop test
+    of it is selected): their starts, mostly Python importing vLLM on one core each, overlap
+    with each other and with the tests above, which time nothing, instead of queueing. Each has
+    a CACHE_DIR of its own whose plans and vLLM caches are the session's, where the shared
+    server (same profile and settings) left them: no start here is cold."""
+    if not any(item.module is request.module and "stop_servers" in item.fixturenames
+               for item in request.session.items if isinstance(item, pytest.Function)):
+        yield {}
+        return
     launched = {name: launch_server(tmp_path_factory.mktemp(f"stop-{name}"), tiny_root, api_key_file, **settings)
                 for name, settings in STOP_SERVERS.items()}
     try:
-        yield {name: wait_ready(server) for name, server in launched.items()}
+        yield launched
     finally:
         stop_server(*launched.values())  # nothing where its test stopped it
+
+
+@pytest.fixture(scope="module")
+def stop_servers(launched_stop_servers) -> dict:
+    """The stop tests' servers, all gated before any test stops one, so no stop is timed beside a
+    starting server."""
+    return {name: wait_ready(server) for name, server in launched_stop_servers.items()}
 
 
 def _kill(server) -> None:
@@ -244,52 +303,6 @@ def test_kill_9_of_serve_or_of_its_engine_leaves_no_process_and_no_stale_ready(
         _kill(second)
     status = read_verdict(second)
     assert status["ready"] is False and "exited on its own (killed by SIGKILL" in status["error"]
-
-
-# ---- patch delivery ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def view_env(tiny_root, api_key_file, tmp_path):
-    """A view of the installed vLLM without patch 0077, and the CLI's environment seeing it."""
-    view = view_without(REVERTED, tmp_path / "view")
-    env = clean_env(MODELS_DIR=str(tiny_root), API_KEY_FILE=str(api_key_file), CACHE_DIR=str(tmp_path / "cache"),
-                    PORT=str(free_port()))  # fmt: skip
-    return view, env_with_vllm_view(env, view)
-
-
-def test_a_reverted_patch_stops_verify_and_serve_on_the_cpu_profile_until_it_is_applied(view_env, tmp_path):
-    view, env = view_env
-    check = run_cli("patches", "check", env=env, cwd=tmp_path)
-    verify = run_cli("verify", "--profile", "cpu", env=env, cwd=tmp_path)
-    assert check.returncode == 2 and verify.returncode == 2
-    apply = f"qwen38 patches apply --vllm-dir {view}"
-    assert verify.stderr == (
-        f"qwen38: verify: patches: profile cpu runs the patched engine, but {REVERTED} is not delivered in {view} "
-        f"(not applied to {REVERTED_FILE}); apply the series with `{apply}`\n"
-    )
-    serve = run_cli("serve", "--profile", "cpu", env=env, cwd=tmp_path, timeout=120)
-    assert serve.returncode == 2 and serve.stderr.startswith("qwen38: verify: patches: profile cpu runs the patched")
-    assert "serving profile" not in serve.stdout and not (tmp_path / "cache" / "run" / "cpu.status.json").exists()
-
-    repaired = subprocess.run([*QWEN38, *shlex.split(apply)[1:]], env=env, cwd=tmp_path, capture_output=True,
-                              text=True, timeout=120)  # fmt: skip
-    assert repaired.returncode == 0, repaired.stderr
-    again = run_cli("verify", "--profile", "cpu", env=env, cwd=tmp_path)
-    assert again.returncode == 0, again.stderr
-    assert ";patches=" in again.stdout and "incomplete" not in again.stdout
-
-
-def test_an_edited_patched_file_is_caught_at_verify_naming_the_file(view_env, tmp_path):
-    view, env = view_env
-    edited = view / REVERTED_FILE
-    edited.write_text(edited.read_text() + "\n# a local edit\n")
-    verify = run_cli("verify", "--profile", "cpu", env=env, cwd=tmp_path)
-    assert verify.returncode == 2
-    assert verify.stderr.startswith(
-        f"qwen38: verify: patches: profile cpu runs the patched engine, but {REVERTED} cannot be proven delivered "
-        f"in {view}: no known state (not vLLM 0.28.0, or edited): {REVERTED_FILE}; reinstall the engine"
-    )
 
 
 # ---- a corrupted model, its repair, a repair killed half-way ---------------------------------

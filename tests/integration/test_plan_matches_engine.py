@@ -3,20 +3,24 @@ pool it planned before it starts vLLM, and the real vLLM 0.28.0 CPU engine then 
 own ("GPU KV cache size: N tokens, Maximum concurrency ... X.XXx"). They are the same for
 prefix caching on and off and speculation on and off. (The CPU build cannot run
 speculation with prefix caching on the hybrid target: every command refuses that alike,
-tests/unit/test_resolve.py.) The session servers cover two cases; the third starts the
-engine only until it has logged its pool, launched when the module starts so that its start
-overlaps the stall test's planning and engine."""
+tests/unit/test_resolve.py.) The session servers cover two cases; the third is the cold start
+`qwen38 bench startup` times (its own cache directory: the plan made afresh), with prefix
+caching off, launched when the module starts so that its start overlaps the stall test's
+planning and engine: one start proves the startup benchmark and the third case."""
 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from entrypoint.patches import all_present, check_series, find_vllm_dir
-from tests.conftest import run_cli
-from tests.support.kv_pool import PoolLogged, pools
+from tests.conftest import QWEN38, clean_env, run_cli
+from tests.support.kv_pool import pools
 
 pytestmark = pytest.mark.integration
 
@@ -37,14 +41,44 @@ def test_plan_equals_the_engine_with_speculation_and_without_prefix_caching(cpu_
     _assert_plan_is_the_engines(cpu_spec_server.log.read_text())
 
 
+class StartupBench:
+    """`qwen38 bench startup --profile cpu --repeat 1` without prefix caching or speculation,
+    started at once and read when asked: the benchmark's own `qwen38 serve` from a fresh cache
+    directory (verify, a plan made afresh, the engine, the gate), its work directory kept (in
+    ``tmp``, its TMPDIR) for the serve log."""
+
+    def __init__(self, tmp: Path, models: Path):
+        self.tmp, self.out = tmp, tmp / "startup.json"
+        env = clean_env(MODELS_DIR=str(models), PREFIX_CACHING="false", SPECULATION="false", TMPDIR=str(tmp))
+        with open(tmp / "bench.stdout", "w") as stdout, open(tmp / "bench.stderr", "w") as stderr:
+            self.process = subprocess.Popen(
+                [*QWEN38, "bench", "startup", "--profile", "cpu", "--repeat", "1", "--keep", "--out", str(self.out)],
+                env=env, cwd=tmp, stdout=stdout, stderr=stderr,
+            )  # fmt: skip
+
+    def finished(self, timeout: float = 900) -> tuple[int, str, str]:
+        """The benchmark's exit code, stdout and stderr, once it has ended."""
+        code = self.process.wait(timeout=timeout)
+        return code, (self.tmp / "bench.stdout").read_text(), (self.tmp / "bench.stderr").read_text()
+
+    def serve_log(self) -> str:
+        [log] = self.tmp.glob("qwen38-bench-startup-*/serve-0.log")
+        return log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """Ends a benchmark still running (its test did not run): SIGINT, on which it stops its server."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            self.process.wait(timeout=180)
+
+
 @pytest.fixture(scope="module", autouse=True)
-def plain_engine(tmp_path_factory, tiny_root, api_key_file) -> Iterator[PoolLogged]:
-    """The engine without prefix caching or speculation, started with the module (cold: a
-    CACHE_DIR of its own) and read by its test."""
-    started = PoolLogged(tmp_path_factory.mktemp("plain"), tiny_root, api_key_file, PREFIX_CACHING="false",
-                         SPECULATION="false")
+def startup_bench(tmp_path_factory, tiny_root) -> Iterator[StartupBench]:
+    """The cold start without prefix caching or speculation, started with the module and read
+    by the last test."""
+    started = StartupBench(tmp_path_factory.mktemp("startup"), tiny_root)
     yield started
-    started.log_when_logged(timeout=0)  # stopped, if its test did not run
+    started.stop()
 
 
 def test_qwen38_plan_answers_what_serve_planned_from_the_same_cache_entry(cpu_server):
@@ -125,6 +159,14 @@ def test_a_request_the_plan_says_runs_finishes_and_one_past_it_stalls_the_engine
     assert result["past"]["finished"] is False and result["past"].get("waiting") == 1, result
 
 
-# Last in the module: the tests before it ran while this engine started.
-def test_plan_equals_the_engine_without_prefix_caching_or_speculation(plain_engine):
-    _assert_plan_is_the_engines(plain_engine.log_when_logged())
+# Last in the module: the tests before it ran while this benchmark started its server.
+def test_startup_bench_times_a_cold_serve_to_a_passed_gate_whose_plan_equals_the_engine(startup_bench):
+    """`qwen38 bench startup` times serve to a passed gate; that start, without prefix caching or
+    speculation, planned the pool its engine then logged."""
+    code, stdout, stderr = startup_bench.finished()
+    assert code == 0, stdout[-2000:] + stderr[-2000:]
+    doc = json.loads(startup_bench.out.read_text())
+    [run] = doc["runs"]
+    assert 0 < run["health_s"] <= run["ready_s"] and run["identity"].startswith("profile=cpu;")
+    assert run["cache"] == "cold cache" and "-> ready in" in stdout
+    _assert_plan_is_the_engines(startup_bench.serve_log())
