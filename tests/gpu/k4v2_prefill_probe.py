@@ -76,7 +76,8 @@ def main() -> None:
               f"(max abs {row['max_abs']:.2e}); kernel {row['kernel_ms']:.1f} ms, torch loop "
               f"{row['torch_loop_ms']:.1f} ms", flush=True)
         results.append(row)
-    doc = {"kernel": args.kernel or "patches/src", "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (interpreter)", "results": results}
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu (interpreter)"
+    doc = {"kernel": args.kernel or "patches/src", "device": name, "results": results}
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(doc, handle, indent=1)
