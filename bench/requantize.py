@@ -31,7 +31,6 @@ from core.identity import GeneratedIdentity
 from core.manifest import write_manifest
 from core.safetensors_stream import TensorSpec
 from prepare.checkpoint_writer import CheckpointWriter
-from prepare.requantize import requantize_checkpoint
 
 ROWS, COLS = 248_320, 5_120
 TENSOR = "lm_head.weight"
@@ -95,6 +94,8 @@ def _child_baseline(src: Path, dst: Path) -> dict:
 
 def _child_requantize(src: Path, dst: Path, workers: int | None) -> dict:
     import torch  # noqa: F401
+
+    from prepare.requantize import requantize_checkpoint  # torch: in the child that measures, not in `qwen38 bench`
 
     began = time.perf_counter()
     result = requantize_checkpoint(src, dst, ["lm_head"], workers=workers)

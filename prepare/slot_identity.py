@@ -19,13 +19,16 @@ from pathlib import Path
 from core.errors import ArtifactError, StackError, VerifyError
 from core.identity import ArtifactIdentity, DerivedIdentity, GeneratedIdentity
 from core.manifest import Manifest
-from prepare.generate import GENERATOR_VERSION
 from prepare.transforms import transform_version as current_transform_version
 
 
 def generator_version(generator: str) -> str:
     """The version of a local generator (`generated = ...` slots) in this checkout."""
     if generator == "tiny":
+        # Here, not at the top: the generator imports torch, and `qwen38 verify` / `serve` need
+        # it only for a generated slot (serve's own process then holds no torch while vLLM runs).
+        from prepare.generate import GENERATOR_VERSION
+
         return str(GENERATOR_VERSION)
     raise VerifyError(f"unknown generator {generator!r} in a profile slot")
 
