@@ -306,7 +306,7 @@ def measure_rates() -> dict[str, float]:
 
     import torch
 
-    from prepare.generate import BLOCK_BYTES, draw_block
+    from prepare.generate import BLOCK_BYTES, draw_block  # torch, as above: this step only
 
     torch.set_num_threads(1)
     cases = {
