@@ -145,7 +145,7 @@ def run_cli_here(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess
     bench` against a running server: a new Python spent ~4 s importing the bench command (torch
     among it) on every run. A command that raises what the CLI does not turn into a line
     raises here."""
-    from entrypoint import cli  # as the other project imports here: after this module has set the environment up
+    from entrypoint import cli  # here: imported after this module has set the environment up
 
     stdout, stderr = io.StringIO(), io.StringIO()
     with mock.patch.dict(os.environ, env, clear=True), redirect_stdout(stdout), redirect_stderr(stderr):

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
 from tests.split_kv_support import load_triton_file
-from tests.support.kv_k4v2 import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, SCALE, load_k4v2
+from tests.support.kv_k4v2 import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, SCALE, load_k4v2, timed_prefill
 
 
 def probe(k4v2, seq_len: int, rows: int, device: str) -> dict[str, float]:
@@ -40,22 +39,11 @@ def probe(k4v2, seq_len: int, rows: int, device: str) -> dict[str, float]:
                 seqused_k=torch.tensor([seq_len], dtype=torch.int32, device=device), block_table=table,
                 softmax_scale=SCALE)
     workspace = k4v2.KVK4V2Workspace(1, k4v2.MAX_VERIFY_TOKENS, NUM_Q_HEADS, device=device)
-    outputs, timings = {}, {}
-    for name, call in (("kernel", lambda o: k4v2.prefill_attention(q, cache, o, workspace=workspace, **args)),
-                       ("torch_loop", lambda o: k4v2.prefill_attention_reference(q, cache, o, **args))):
-        out = torch.empty_like(q)
-        call(out)  # compiles / warms
-        if device == "cuda":
-            torch.cuda.synchronize()
-        began = time.perf_counter()
-        call(out)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        outputs[name], timings[name] = out.float(), (time.perf_counter() - began) * 1000
-    got, loop = outputs["kernel"], outputs["torch_loop"]
+    timed = timed_prefill(k4v2, q, cache, args, workspace)
+    (got, kernel_ms), (loop, loop_ms) = timed["kernel"], timed["torch_loop"]
+    got, loop = got.float(), loop.float()
     return {"context": seq_len, "rows": rows, "rel_error": float((got - loop).norm() / loop.norm()),
-            "max_abs": float((got - loop).abs().max()), "kernel_ms": timings["kernel"],
-            "torch_loop_ms": timings["torch_loop"]}
+            "max_abs": float((got - loop).abs().max()), "kernel_ms": kernel_ms, "torch_loop_ms": loop_ms}
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ from tests.support.kv_k4v2 import (
     attention_errors,
     dequantized_failures,
     load_k4v2,
+    timed_prefill,
 )
 
 torch = pytest.importorskip("torch")
@@ -267,18 +268,7 @@ def test_prefill_chunk_deep_in_the_context_matches_the_torch_loop(k4v2, written,
                 device=DEVICE), seqused_k=torch.tensor([seq_len], dtype=torch.int32, device=DEVICE),
                 block_table=w.block_table, softmax_scale=SCALE)
     workspace = k4v2.KVK4V2Workspace(1, k4v2.MAX_VERIFY_TOKENS, NUM_Q_HEADS, device=DEVICE)
-    timings = {}
-    for name, call in (("kernel", lambda o: k4v2.prefill_attention(q, w.cache, o, workspace=workspace, **args)),
-                       ("torch_loop", lambda o: k4v2.prefill_attention_reference(q, w.cache, o, **args))):
-        out = torch.full_like(q, float("nan"))  # the layer's dtype, as vLLM hands it
-        call(out)  # compiles / warms
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call(out)
-        end.record()
-        torch.cuda.synchronize()
-        timings[name] = (out, start.elapsed_time(end))
+    timings = timed_prefill(k4v2, q, w.cache, args, workspace)
     (got, kernel_ms), (loop, loop_ms) = timings["kernel"], timings["torch_loop"]
     loop = loop.float()
     failures = dequantized_failures(got, loop)

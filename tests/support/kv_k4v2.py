@@ -7,6 +7,7 @@ Needs only torch (the kernel module needs triton): no vLLM.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -103,3 +104,30 @@ def dequantized_failures(out: torch.Tensor, ref_deq: torch.Tensor) -> list[str]:
     if not rel <= DEQ_MAX_REL_ERROR:
         found.append(f"kernel vs dequantized: rel error {rel:.3e} > {DEQ_MAX_REL_ERROR:.3e}")
     return found
+
+
+def timed_prefill(k4v2, q: torch.Tensor, cache: torch.Tensor, args: dict, workspace) -> dict[str, tuple]:
+    """One prefill chunk ``q`` over ``cache`` through `prefill_attention` (the split kernel over
+    virtual requests) and through `prefill_attention_reference` (the torch loop, float32), each
+    warmed once, then timed once: name -> (output in the layer's dtype, milliseconds; CUDA
+    events on a GPU, the wall clock under the interpreter). ``args``: both functions' keywords."""
+    runs = {"kernel": lambda o: k4v2.prefill_attention(q, cache, o, workspace=workspace, **args),
+            "torch_loop": lambda o: k4v2.prefill_attention_reference(q, cache, o, **args)}
+    cuda = q.is_cuda
+    timed = {}
+    for name, call in runs.items():
+        out = torch.full_like(q, float("nan"))  # the layer's dtype, as vLLM hands it
+        call(out)  # compiles / warms
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call(out)
+            end.record()
+            torch.cuda.synchronize()
+            timed[name] = (out, start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            call(out)
+            timed[name] = (out, (time.perf_counter() - began) * 1000)
+    return timed
