@@ -356,11 +356,22 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         )
         if row.get("failed"):
             lines.append(f"| {name}: failed | {row['failed']} |" + " |" * 10)
-    verify = {name: row["verify"] for name, row in summary.get("profiles", {}).items() if row.get("verify")}
+    # The decode step at depth: the verify workload's contexts, then the deepest request's.
+    verify = {name: [*row.get("verify", []), *(row.get("deep") or {}).get("decode", [])]
+              for name, row in summary.get("profiles", {}).items() if row.get("verify") or row.get("deep")}
     if verify:
         lines += ["", "| served | decode step ms at context (tokens per step) |", "|---|---|"]
         lines += [f"| {name} | " + ", ".join(f"{r['context_tokens']:,}: {r['step_ms']:.1f} ({r['tokens_per_step']:.2f})"
                                              for r in rows) + " |" for name, rows in verify.items()]
+    deepened = {name: [*row.get("verify_prefill", []), *(row.get("deep") or {}).get("prefill", [])]
+                for name, row in summary.get("profiles", {}).items() if row.get("verify_prefill") or row.get("deep")}
+    if deepened:
+        lines += ["", "| served | prompt tokens: time to first token s (prefill tok/s) | peak GiB over the run |",
+                  "|---|---|---|"]
+        lines += [f"| {name} | " + ", ".join(f"{r['prompt_tokens']:,}: {r['ttft_s']:.1f} ({r['prefill_tok_s']:,.0f})"
+                                             for r in rows)
+                  + f" | {_gib((summary['profiles'][name].get('peak') or {}).get('bytes'))} |"
+                  for name, rows in deepened.items()]
     users = {name: row["users"] for name, row in summary.get("profiles", {}).items() if row.get("users")}
     if users:
         lines += ["", "| served | users in flight | output tok/s | per request tok/s p50 | step ms (tokens per step) "

@@ -134,14 +134,19 @@ SERVED: dict[str, Served] = {
     "single-steps-full": Served("single", HEADLESS_3090_BYTES, workloads=("c1", "steps"), profiled=True),
     "single-mtp-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
                               workloads=("c1", "users", "steps"), profiled=True),
+    # The V1 side of the runner A/B without `users` (measured on the H100 on 2026-12-07): the
+    # same workloads as the `-v2` copy, for one lease.
+    "single-mtp-steps-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
+                                    workloads=("c1", "steps"), profiled=True),
     "single-nospec-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False,
                                        workloads=("c1", "steps"), profiled=True),
     "single-nospec-v2-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False, env=V2_RUNNER,
                                           workloads=("c1", "steps"), profiled=True),
     # `huge` (issue 56): the k4v2 pool the plan names, the verify step and the prefill at 25k and
-    # 128k of context through the k4v2 kernels (the 245k request to its end takes a lease of its own:
-    # `long`'s int8 KV prefilled 128k in 175 s on the H200).
-    "huge-full": Served("huge", HEADLESS_3090_BYTES, workloads=("c1", "verify")),
+    # 128k of context through the k4v2 kernels, then one request of 245,000 tokens run to its end
+    # (`deep`: the copy's peak memory is sampled through it; minutes of prefill, so the run that
+    # measures it goes detached: tests/gpu/lent_machine.sh fullscale-start).
+    "huge-full": Served("huge", HEADLESS_3090_BYTES, workloads=("c1", "verify", "deep")),
     # Both on Marlin, as on the 3090: Hopper would serve W4A16 with Machete, which takes no int8
     # activations (the 2026-12-07 lease measured the switch doing nothing there).
     "batch-full": Served("batch", HEADLESS_3090_BYTES, env=MARLIN_AS_ON_THE_3090, workloads=("users",)),
@@ -184,26 +189,34 @@ class Workload:
 # A deep prompt's first token: `long`'s int8 KV prefilled 128k in 175 s on the H200 (2026-12-02);
 # the 112k prompt of reproduction mode had none within the bench's default 300 s (2026-12-03).
 DEEP = ("--request-timeout", "480")
+# `huge`'s whole context: one request of 245,000 prompt tokens run to its end (the deepest depth
+# its 245,760-token max_model_len takes with the output and the bench's margin); the k4v2 prefill
+# kernel's 96.7 ms per layer at 128k (H100, docs/kv-k4v2.md) puts its first token minutes away.
+DEEPEST = ("--request-timeout", "1200")
+DEEPEST_TOKENS = (245_000,)
 MEASURE_SIZES: dict[str, dict[str, Workload]] = {
     "full": {"c1": Workload("c1", ("--requests", "5", "--output-tokens", "2048")),
              "c8": Workload("c8", ("--requests", "32")),
              "prefill": Workload("depth", DEEP, PREFILL_TOKENS, 16),
              "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 128, clamp=True),
              "steps": Workload("steps", ("--concurrency", "1,8", "--steps", "32", "--trace-timeout", "240")),
-             "users": Workload("users", ("--concurrency", "1,8,32,64"))},
+             "users": Workload("users", ("--concurrency", "1,8,32,64")),
+             "deep": Workload("depth", DEEPEST, DEEPEST_TOKENS, 128, clamp=True)},
     "quick": {"c1": Workload("c1", ("--requests", "2", "--output-tokens", "256")),
               "c8": Workload("c8", ("--requests", "16")),
               "prefill": Workload("depth", DEEP, PREFILL_TOKENS, 16),
               "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 48, clamp=True),
               "steps": Workload("steps", ("--concurrency", "1,8", "--steps", "32", "--trace-timeout", "240")),
-              "users": Workload("users", ("--concurrency", "1,8,64", "--rounds", "1"))},
+              "users": Workload("users", ("--concurrency", "1,8,64", "--rounds", "1")),
+              "deep": Workload("depth", DEEPEST, DEEPEST_TOKENS, 32, clamp=True)},
     "tiny": {"c1": Workload("c1", ("--requests", "1", "--input-tokens", "64", "--output-tokens", "24")),
              "c8": Workload("c8", ("--requests", "8", "--input-tokens", "64", "--output-tokens", "16")),
              "prefill": Workload("depth", (), (128, 512), 8),
              "verify": Workload("depth", (), (1024, 40_000), 16),
              "steps": Workload("steps", ("--concurrency", "1", "--steps", "4", "--warmup-steps", "2")),
              "users": Workload("users", ("--concurrency", "1,4", "--rounds", "1", "--system-tokens", "64",
-                                         "--prompt-tokens", "32", "--output-tokens", "16"))},
+                                         "--prompt-tokens", "32", "--output-tokens", "16")),
+             "deep": Workload("depth", (), (2_000,), 8)},
 }
 
 
@@ -939,7 +952,7 @@ def step_measure(root: Path, profile: str, sizes: str = "quick", workloads: tupl
             continue
         out = root / RESULTS / f"{profile}.{name}.json"
         done = _cli("bench", workload.bench, "--base-url", base, "--model", served.served.base, "--api-key-file",
-                    str(key), "--out", str(out), *extra, timeout=900)
+                    str(key), "--out", str(out), *extra, timeout=1500 if name == "deep" else 900)
         result["bench"][name] = {"exit": done.returncode, "file": str(out), "argv": extra,
                                  "tail": (done.stdout[-1500:] + done.stderr[-1500:])}
         doc = _bench_doc(out) if done.returncode == 0 else None
@@ -949,6 +962,9 @@ def step_measure(root: Path, profile: str, sizes: str = "quick", workloads: tupl
             result["prefill"] = figures.prefill_figures(doc)
         elif doc and name == "verify":
             result["verify"] = figures.depth_decode_figures(doc, k)
+            result["verify_prefill"] = figures.prefill_figures(doc)
+        elif doc and name == "deep":
+            result["deep"] = {"decode": figures.depth_decode_figures(doc, k), "prefill": figures.prefill_figures(doc)}
         elif doc and name == "users":
             result["users"] = figures.users_figures(doc, k, served.engine.max_num_seqs, project)
         elif doc and name == "steps":
@@ -1081,7 +1097,8 @@ def summarize(results: dict[str, dict[str, Any]], served: dict[str, Served] | No
             row["peak"] = failed.get("peak")
         if measure:
             for key in ("pool", "peak", "cap_held", "margin_bytes", "budget_bytes", "headless_3090", "footprint",
-                        "decode", "prefill", "verify", "users", "steps", "others_alive", "measured_alone",
+                        "decode", "prefill", "verify", "verify_prefill", "deep", "users", "steps", "others_alive",
+                        "measured_alone",
                         "gpu_neighbours_while_measured", "gpu_neighbours_while_starting"):
                 if key in measure:
                     row[key] = measure[key]

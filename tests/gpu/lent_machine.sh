@@ -16,6 +16,8 @@
 #   tests/gpu/lent_machine.sh install        join the parts, unpack vLLM into /tmp/qwen38-site
 #   source <(tests/gpu/lent_machine.sh env)  PYTHONPATH for both
 #   tests/gpu/lent_machine.sh fullscale-prep SERVED   `bench fullscale`'s preparation, overlapped
+#   tests/gpu/lent_machine.sh fullscale-start ARGS    `bench fullscale run ARGS` detached (setsid)
+#   tests/gpu/lent_machine.sh fullscale-wait SECONDS  until it ends, then its report into $OUT
 # A tier run outlives the 10-minute call limit by running in a session of its own (setsid):
 #   tests/gpu/lent_machine.sh tier-start [FILES]   start `make gpu-test` in the background
 #   tests/gpu/lent_machine.sh tier-wait SECONDS    wait for every lane (at most SECONDS), then
@@ -102,6 +104,38 @@ case "${1:-}" in
       setsid nohup "$0" fullscale-stacks >> "$root/logs/stacks.log" 2>&1 < /dev/null &
     fi
     ;;
+  fullscale-start)
+    # `bench fullscale run` in a session of its own, for work longer than a call (a 245k-token
+    # request, several copies): its arguments as for `run`, less --root and --out (the report goes
+    # to $root/out when its budget ends or nothing is left). Then `fullscale-wait SECONDS`.
+    shift
+    root=/tmp/qwen38-fullscale; mkdir -p "$root/logs" "$root/out"
+    if [ -e "$root/run.pid" ] && kill -0 "$(cat "$root/run.pid")" 2>/dev/null; then
+      echo "a detached run is still going (pid $(cat "$root/run.pid")): fullscale-wait first" >&2; exit 1
+    fi
+    setsid nohup env PYTHONPATH="$PWD:$SITE:$TOOLS" PYTHONUNBUFFERED=1 python3 -m entrypoint.cli bench fullscale run \
+      --root "$root" --out "$root/out" "$@" < /dev/null >> "$root/logs/run-detached.log" 2>&1 &
+    echo $! > "$root/run.pid"
+    echo "bench fullscale run detached (pid $!): $root/logs/run-detached.log"
+    ;;
+  fullscale-wait)
+    # Until the detached run ends (at most SECONDS), then its report into $OUT; one still going
+    # gets a report of what it has so far (`bench fullscale report` reads the same results).
+    root=/tmp/qwen38-fullscale; out=${OUT:-$root/collected}; mkdir -p "$out"
+    deadline=$(( $(date +%s) + ${2:?seconds} ))
+    pid=$(cat "$root/run.pid" 2>/dev/null || echo 0)
+    while [ "$pid" != 0 ] && kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+    if [ "$pid" != 0 ] && kill -0 "$pid" 2>/dev/null; then
+      echo "still running (pid $pid); the report so far:"
+      python3 -m entrypoint.cli bench fullscale report --root "$root" --out "$out/fullscale-so-far.json" | tail -5 || true
+      tail -c 2000000 "$root/logs/run-detached.log" > "$out/run-detached.log"
+    else
+      echo "the detached run has ended"
+      cp -r "$root/out/." "$out/" 2>/dev/null || true
+      tail -c 2000000 "$root/logs/run-detached.log" > "$out/run-detached.log" 2>/dev/null || true
+    fi
+    tail -n 30 "$root/logs/run-detached.log" 2>/dev/null || true
+    ;;
   fullscale-stacks)
     # Every engine's Python stack every 15 s, until the machine goes.
     set +e +o pipefail
@@ -171,7 +205,7 @@ case "${1:-}" in
     done
     ;;
   *)
-    echo "usage: $0 stage|tools|install|env|fullscale-prep SERVED|tier-start [FILES]|tier-wait SECONDS" >&2
+    echo "usage: $0 stage|tools|install|env|fullscale-prep SERVED|fullscale-start ARGS|fullscale-wait SECONDS|tier-start [FILES]|tier-wait SECONDS" >&2
     exit 2
     ;;
 esac

@@ -518,3 +518,28 @@ def test_the_roofline_row_follows_the_method_the_copy_served_with():
     assert rows["single-full"]["roofline"]["c1"]["bytes_per_step"] == single.step_bytes(640, 1, True)
     assert rows["single-nospec-full"]["roofline"]["c1"]["bytes_per_step"] == single.step_bytes(640, 1, False)
     assert "roofline" not in rows["single-mtp-full"]
+
+
+def test_huge_runs_one_request_over_its_whole_context_and_the_report_shows_its_prefill_decode_and_peak():
+    huge = load_profile("huge")
+    assert "deep" in fs.SERVED["huge-full"].workloads
+    # The deepest depth its max_model_len takes with the output and the bench's margin, with
+    # a request timeout that outlasts minutes of prefill.
+    deep = fs.MEASURE_SIZES["quick"]["deep"]
+    assert deep.argv(huge.engine.max_model_len) == [*fs.DEEPEST, "--depths", "245000", "--output-tokens", "32"]
+    assert deep.argv(65_536) == [*fs.DEEPEST, "--depths", "65000", "--output-tokens", "32"]
+    doc = _doc("cpu-depth.json")
+    row = {"peak": {"bytes": 22 * fs.GIB}, "verify": figures.depth_decode_figures(doc, 7),
+           "verify_prefill": figures.prefill_figures(doc),
+           "deep": {"decode": figures.depth_decode_figures(doc, 7), "prefill": figures.prefill_figures(doc)}}
+    text = figures.summary_markdown({"profiles": {"huge-full": row}})
+    first = doc["points"][0]
+    tokens = int(first["summary"]["prompt_tokens"]["mean"])
+    rows = [line for line in text.splitlines() if line.startswith("| huge-full |")]
+    # Each depth's first token and prefill speed, the verify workload's then the deepest
+    # request's, beside the copy's peak; and the decode step at each of those contexts.
+    first_token = f"{tokens:,}: {first['ttft_s']:.1f} ({figures.prefill_tok_s(tokens, first['ttft_s']):,.0f})"
+    assert [line.count(first_token) for line in rows] == [0, 0, 2]
+    assert rows[2].endswith("| 22.00 |")
+    step = figures.step_latency_ms(first["decode_tok_s"], first.get("acceptance_length") or 1.0)
+    assert rows[1].count(f"{tokens:,}: {step:.1f}") == 2
