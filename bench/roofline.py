@@ -31,8 +31,8 @@ from typing import Any
 
 from core.checkpoint import text_config
 from core.errors import BenchError
-from core.profiles import load_profile
-from prepare.synthetic import MODEL_CONFIGS, PRESETS, VARIANTS, drafter_tensors, target_tensors
+from core.profiles import K4V2_KV_CACHE_DTYPE, load_profile
+from prepare.synthetic import MODEL_CONFIGS, PRESETS, VARIANTS, VISUAL_PREFIX, drafter_tensors, target_tensors
 
 # Nominal bandwidths (vendor figures); the H200's measured figure comes from the GPU run.
 BANDWIDTH = {"H200 (nominal)": 4.8e12, "RTX 3090": 936e9, "DGX Spark": 273e9}
@@ -56,6 +56,10 @@ def attention_kv_bytes_per_token(text_config: dict[str, Any], kv_dtype: str) -> 
         return per
     if kv_dtype == "int8_per_token_head":  # int8 values + one fp32 scale per token and head, K and V
         return per + layers * text_config["num_key_value_heads"] * 2 * 4
+    if kv_dtype == K4V2_KV_CACHE_DTYPE:  # 4-bit keys, 2-bit values, group scales: the format's own count
+        from entrypoint.kv_capacity import k4v2_format
+
+        return layers * text_config["num_key_value_heads"] * k4v2_format().TOKEN_HEAD_BYTES
     raise BenchError(f"kv_cache_dtype {kv_dtype}: no byte count for it")
 
 
@@ -132,7 +136,8 @@ def serving(profile) -> Serving:
     lm_head_bf16 = text["vocab_size"] * text["hidden_size"] * 2
     lm_head = int8_table_bytes(text["vocab_size"], text["hidden_size"]) if target.transform == "requantize-int8" \
         else lm_head_bf16
-    weights = _sum(target_tensors(full, fmt), skip=("mtp.",)) - lm_head_bf16 + lm_head
+    # The tower (model.visual.*) is read per image, never per decode step.
+    weights = _sum(target_tensors(full, fmt), skip=("mtp.", VISUAL_PREFIX)) - lm_head_bf16 + lm_head
     drafter_bytes = drafter_kv = window = k = 0
     spec = profile.speculative
     if profile.models.drafter is not None and spec is not None:
@@ -148,7 +153,7 @@ def serving(profile) -> Serving:
                    attention_kv_bytes_per_token(text, profile.engine.kv_cache_dtype), drafter_kv, window, state, k)
 
 
-def servings(names=("single", "long", "spark-lora")) -> dict[str, Serving]:
+def servings(names=("single", "long", "huge", "spark-lora")) -> dict[str, Serving]:
     return {name: serving(load_profile(name)) for name in names}
 
 
@@ -170,17 +175,18 @@ def ceiling_tok_s(s: Serving, bandwidth: float, context: int, batch: int, tau: f
     return steps * (tau if tau is not None else 1.0)
 
 
-def table(contexts=(512, 10_000, 43_000, 100_000), batches=(1, 8), measured: dict[str, float] | None = None
+def table(contexts=(512, 10_000, 43_000, 100_000, 245_000), batches=(1, 8), measured: dict[str, float] | None = None
           ) -> list[dict[str, Any]]:
     """Every profile on its machine and on the H200 (nominal, and ``measured``: machine -> bytes/s),
     at each context its profile serves."""
 
     rows = []
     for name, s in servings().items():
-        longest = load_profile(name).engine.max_model_len
+        engine = load_profile(name).engine
+        longest = engine.max_model_len
         machines = {s.machine: BANDWIDTH[s.machine], "H200 (nominal)": BANDWIDTH["H200 (nominal)"], **(measured or {})}
         for machine, bandwidth in machines.items():
-            for batch in batches:
+            for batch in (b for b in batches if b <= engine.max_num_seqs):
                 for context in (c for c in contexts if c <= longest):
                     row = {
                         "profile": name, "machine": machine, "bandwidth_gb_s": bandwidth / 1e9, "batch": batch,

@@ -56,3 +56,17 @@ def test_a_profile_whose_target_is_not_a_known_artifact_is_one_clear_error():
 
     with pytest.raises(BenchError, match="target artifact None is not one the roofline knows"):
         rf.serving(load_profile("cpu"))
+
+
+def test_huge_reads_the_k4v2_format_bytes_and_projects_only_the_batches_and_contexts_it_serves():
+    from entrypoint.kv_capacity import k4v2_format
+
+    text = rf.model_config("qwen3.8-27b-w4a16")["text_config"]
+    huge = rf.servings()["huge"]
+    # 16 attention layers x 4 KV heads x (128 B of 4-bit keys + 64 B of 2-bit values + 16 B of
+    # group scales and minimums): 2.5 times fewer than `long`'s int8 with its per-token scales.
+    assert huge.kv_per_token == 16 * 4 * k4v2_format().TOKEN_HEAD_BYTES == 13_312
+    assert huge.kv_per_token * 5 == 2 * rf.attention_kv_bytes_per_token(text, "int8_per_token_head")
+    rows = [r for r in rf.table() if r["profile"] == "huge"]
+    assert {r["batch"] for r in rows} == {1} and max(r["context"] for r in rows) == 245_000
+    assert {r["batch"] for r in rf.table() if r["profile"] == "single"} == {1, 8}
