@@ -57,6 +57,7 @@ def attention_kv_bytes_per_token(text_config: dict[str, Any], kv_dtype: str) -> 
     if kv_dtype == "int8_per_token_head":  # int8 values + one fp32 scale per token and head, K and V
         return per + layers * text_config["num_key_value_heads"] * 2 * 4
     if kv_dtype == K4V2_KV_CACHE_DTYPE:  # 4-bit keys, 2-bit values, group scales: the format's own count
+        # Deferred: the format's module imports torch and Triton, which no other profile needs here.
         from entrypoint.kv_capacity import k4v2_format
 
         return layers * text_config["num_key_value_heads"] * k4v2_format().TOKEN_HEAD_BYTES

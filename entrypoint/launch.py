@@ -37,6 +37,7 @@ from entrypoint.engine_args import engine_args
 from entrypoint.image_requests import VISION_ENV
 from entrypoint.resolved_engine import ResolvedEngine
 from entrypoint.run_files import config_path
+from entrypoint.vision_memory import TOWER_HOST_ENV
 
 ENGINE_MODULE = "entrypoint.engine_main"  # vLLM's OpenAI server, tied to the supervisor's life
 MASK = "********"
@@ -127,6 +128,8 @@ def _engine_env(resolved: ResolvedEngine, settings: Settings, api_key: SecretStr
     if resolved.vision is not None:
         # What our API layer lets through (entrypoint.image_requests); without it, no images at all.
         env[VISION_ENV] = resolved.vision.model_dump_json()
+        if resolved.vision.tower == "host" and resolved.platform == "cuda":
+            env[TOWER_HOST_ENV] = "1"  # patch 0087: the tower's blocks and merger in host memory
         if resolved.vision.url_domains:
             # vLLM checks the host of the URL as sent, then follows redirects wherever they
             # lead: an open redirect on an allowed host would fetch from any other.

@@ -36,6 +36,10 @@ from entrypoint.toolchain import Runner, run_command
 from entrypoint.topology import LinkReading, TopologyError, read_link
 
 LinkReader = Callable[[str], "LinkReading | None"]  # CUDA_VISIBLE_DEVICES -> the link nvidia-smi reports
+# Machines whose profiles keep the vision tower in host memory unless VISION_TOWER says otherwise:
+# a 24 GB card has no 0.92 GB to spare beside its KV pool. (The Spark's memory is one pool for
+# CPU and GPU alike: moving the tower saves it nothing.)
+TOWER_IN_HOST_MEMORY = frozenset({"rtx3090"})
 
 def lookup_tokens(spec: Speculative, lookup: bool | None, verify_block: int | None) -> int:
     """Verify positions past the drafter's that lookup drafting fills for ``spec`` (0: off).
@@ -192,7 +196,8 @@ def resolve_vision(profile: Profile, settings: Settings) -> ResolvedVision | Non
     if not settings.vision:
         for knob, value in (("VISION_IMAGES_PER_PROMPT", settings.vision_images_per_prompt),
                             ("VISION_MAX_PIXELS", settings.vision_max_pixels),
-                            ("VISION_URL_DOMAINS", settings.vision_url_domains)):
+                            ("VISION_URL_DOMAINS", settings.vision_url_domains),
+                            ("VISION_TOWER", settings.vision_tower)):
             if value is not None:
                 raise SettingsError(
                     f"{knob}={value}: vision is off for profile {profile.name}; set VISION=true or unset {knob}"
@@ -203,6 +208,7 @@ def resolve_vision(profile: Profile, settings: Settings) -> ResolvedVision | Non
         max_pixels=settings.vision_max_pixels or DEFAULT_MAX_PIXELS,
         processor_kwargs=processor_kwargs(profile.platform),
         url_domains=url_domains(settings.vision_url_domains),
+        tower=settings.vision_tower or ("host" if profile.machine in TOWER_IN_HOST_MEMORY else "gpu"),
     )
 
 

@@ -76,6 +76,8 @@ class ResolvedVision(_Frozen):
     # Hosts image URLs may be fetched from (VISION_URL_DOMAINS; empty: none, images come inline):
     # our API layer's allow-list and vLLM's --allowed-media-domains.
     url_domains: tuple[str, ...] = ()
+    # VISION_TOWER: the tower's weights on the device, or in host memory (patch 0087).
+    tower: Literal["gpu", "host"] = "gpu"
 
 
 class ResolvedParallel(_Frozen):

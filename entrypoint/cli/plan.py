@@ -40,8 +40,11 @@ def render_plan(plan: planner.Plan) -> str:
     if plan.vision is not None:
         v = plan.vision
         lines.append(
-            f"  vision             tower {v.tower_bytes:,} B ({v.tower_source}), encoder cache "
-            f"{v.encoder_cache_bytes:,} B ({v.encoder_cache_tokens:,} tokens; an image is at most {v.image_tokens:,})"
+            f"  vision             tower {v.tower_bytes:,} B ({v.tower_source}), "
+            + ("on the device; " if v.tower_place == "gpu" else
+               f"in host memory (at most {v.device_tower_bytes:,} B of it on the device at once); ")
+            + f"encoder cache {v.encoder_cache_bytes:,} B ({v.encoder_cache_tokens:,} tokens; "
+            f"an image is at most {v.image_tokens:,})"
         )
     order = ["patched", "stock"] if plan.patched else ["stock", "patched"]
     for name in [n for n in order if n in plan.variants]:

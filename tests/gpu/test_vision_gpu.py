@@ -21,7 +21,10 @@ verify, plan, launch and the readiness gate. Checked on each server:
 - a repeated image prompt hits the prefix cache on its second sending, and the same text with
   another image reuses nothing;
 - on `spark-lora`, the adapter id answers an image chat with the adapter applied, and an image
-  prompt's blocks never pass from the base id to the adapter id (each id's repeat reuses its own).
+  prompt's blocks never pass from the base id to the adapter id (each id's repeat reuses its own);
+- `single`'s copy keeps the tower's blocks and merger in host memory (VISION_TOWER=host, its RTX
+  3090 default, patch 0087): a third server, the same copy with the tower on the device, answers a
+  noise image with the same greedy tokens and log-probabilities.
 
 Figures (tests/gpu/conftest.py `record`, under ``vision.``): ready seconds, the pool the planner
 named, the tower and encoder cache it counted, the encoder budget the engine logged, and the time
@@ -83,10 +86,16 @@ VISION = {"VISION": "true", "VISION_MAX_PIXELS": str(MAX_PIXELS)}
 # `validate clients` wants content from a plain chat. Per request, thinking still switches on.
 THINKING_OFF = {"ENABLE_THINKING": "false"}
 # `qwen38 plan`'s refusal of a text-sized pool (entrypoint/vision_memory.py `vision_refusal`)
+# (the first figure: the tower's bytes on the device, all of it or, with VISION_TOWER=host, its part)
 REFUSAL = re.compile(
-    r"the vision tower \(([\d,]+) bytes, .*\) and the encoder cache \(([\d,]+) bytes: ([\d,]+) tokens\) need "
+    r"the vision tower(?:'s part on the device)? \(([\d,]+) (?:of its [\d,]+ )?bytes[, ].*\) and the encoder cache "
+    r"\(([\d,]+) bytes: ([\d,]+) tokens\) need "
     r"[\d,]+ of it: set KV_CACHE_MEMORY_BYTES=(\d+) \((?:it holds requests of up to ([\d,]+) tokens)?"
 )
+# Patch 0087's line (`single`'s copy keeps the tower in host memory, the RTX 3090 default).
+TOWER_IN_HOST = re.compile(r"qwen38: vision tower in host memory: (\d+) bytes of its blocks and merger")
+# `single`'s copy again with the tower on the device: the reference the host-memory tower answers as.
+TOWER_ON_DEVICE = {"VISION_TOWER": "gpu"}
 ENCODER_BUDGET = re.compile(r"Encoder cache will be initialized with a budget of (\d+) tokens")
 MODEL_LOADING = re.compile(r"Model loading took ([\d.]+) GiB memory")
 
@@ -95,11 +104,13 @@ def _number(text: str) -> int:
     return int(text.replace(",", ""))
 
 
-def vision_pool(profiles_dir, models, tmp, name: str) -> tuple[dict[str, str], dict[str, int]]:
-    """`qwen38 plan`'s refusal of ``name``'s own pool with VISION=true, read into the settings it
-    says to add (KV_CACHE_MEMORY_BYTES, and MAX_MODEL_LEN where the smaller pool holds less) and
-    what it counted (the tower's bytes, the encoder cache's bytes and tokens)."""
-    env = clean_env(**VISION, PROFILES_DIR=str(profiles_dir), MODELS_DIR=str(models), CACHE_DIR=str(tmp / "plan"))
+def vision_pool(profiles_dir, models, tmp, name: str, **extra: str) -> tuple[dict[str, str], dict[str, int]]:
+    """`qwen38 plan`'s refusal of ``name``'s own pool with VISION=true (and ``extra`` settings),
+    read into the settings it says to add (KV_CACHE_MEMORY_BYTES, and MAX_MODEL_LEN where the
+    smaller pool holds less) and what it counted (the tower's bytes on the device, the encoder
+    cache's bytes and tokens)."""
+    env = clean_env(**VISION, **extra, PROFILES_DIR=str(profiles_dir), MODELS_DIR=str(models),
+                    CACHE_DIR=str(tmp / "plan"))
     done = run_cli("plan", "--profile", name, "--no-compare", env=env, cwd=tmp)
     last = (done.stderr.strip().splitlines() or [""])[-1]
     assert done.returncode != 0, f"plan took {name}'s own pool with VISION=true:\n{done.stdout[-2000:]}"
@@ -110,7 +121,7 @@ def vision_pool(profiles_dir, models, tmp, name: str) -> tuple[dict[str, str], d
     settings = {"KV_CACHE_MEMORY_BYTES": found[4]}
     if "set MAX_MODEL_LEN=" in last:
         settings["MAX_MODEL_LEN"] = str(_number(found[5]))
-    counted = {"tower_bytes": _number(found[1]), "encoder_cache_bytes": _number(found[2]),
+    counted = {"device_tower_bytes": _number(found[1]), "encoder_cache_bytes": _number(found[2]),
                "encoder_cache_tokens": _number(found[3]), "kv_cache_memory_bytes": int(found[4])}
     return settings, counted
 
@@ -143,8 +154,11 @@ def servers(tmp_path_factory, tiny_root, api_key_file):
         settings, counted = vision_pool(planned, models, tmp, name)
         record(f"vision.{key}.planned", counted)
         served[key] = (name, {**VISION, **THINKING_OFF, **settings})
+    settings, counted = vision_pool(planned, models, tmp, PROFILES["single"], **TOWER_ON_DEVICE)
+    record("vision.single-tower-gpu.planned", counted)
+    served["single-tower-gpu"] = (PROFILES["single"], {**VISION, **THINKING_OFF, **TOWER_ON_DEVICE, **settings})
     s = TinyServers(tmp_path_factory, models, api_key_file, profiles, served, label="vision.")
-    with s.started("single", "spark-lora"):
+    with s.started("single", "spark-lora", "single-tower-gpu"):
         yield s
 
 
@@ -300,3 +314,37 @@ def test_prefix_caching_keeps_an_image_prompt_of_the_base_id_from_the_adapter_id
     steps = image_cache_isolation(openai_client, server.base_url, server.api_key, 4 * block + 130)
     record("vision.spark-lora.adapter_cache_isolation", {step: list(v) for step, v in steps.items()})
     check_image_cache_isolation(steps)
+
+
+def _noise_png(size: tuple[int, int], seed: int) -> bytes:
+    """A PNG of seeded noise: every patch differs, so the tower's output depends on all of it."""
+    import io
+    import random
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.frombytes("RGB", size, random.Random(seed).randbytes(size[0] * size[1] * 3)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_the_tower_in_host_memory_answers_as_on_the_device(servers):
+    """`single`'s copy serves with the tower's blocks and merger in host memory (VISION_TOWER=host,
+    its RTX 3090 default; patch 0087), the other copy with all of it on the device: the engine says
+    how many bytes it moved (what the planner left off the device), and a noise image's greedy
+    answer is the same tokens with the same log-probabilities on both."""
+    host, device = servers.gated("single"), servers.gated("single-tower-gpu")
+    host_log, device_log = (server.log.read_text(errors="replace") for server in (host, device))
+    moved = TOWER_IN_HOST.search(host_log)
+    assert moved and int(moved[1]) > 0, host_log[-3000:]
+    assert TOWER_IN_HOST.search(device_log) is None
+    loading = {name: MODEL_LOADING.search(log) for name, log in (("host", host_log), ("device", device_log))}
+    record("vision.tower_in_host", {"moved_bytes": int(moved[1]), **{
+        f"model_loading_gib_{name}": float(found[1]) if found else None for name, found in loading.items()}})
+    answers = []
+    for server in (host, device):
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0, timeout=300)
+        reply = chat(client, image_part(_noise_png((256, 192), 5)), logprobs=True, top_logprobs=3)
+        answers.append([(t.token, t.logprob) for t in reply.choices[0].logprobs.content])
+    assert [token for token, _ in answers[0]] == [token for token, _ in answers[1]], answers
+    assert max(abs(a[1] - b[1]) for a, b in zip(*answers)) < 1e-3, answers
