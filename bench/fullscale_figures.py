@@ -386,8 +386,81 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     steps = {name: row["steps"] for name, row in summary.get("profiles", {}).items() if row.get("steps")}
     if steps:
         lines += ["", *step_parts_markdown(steps)]
+    images = {name: row for name, row in summary.get("profiles", {}).items() if row.get("image") or row.get("vision")}
+    if images:
+        lines += ["", *image_markdown(images)]
     lines.append("")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# Images (VISION=true, issue 58): an image's time to first token, the tower's memory
+
+
+def _ttft(point: dict[str, Any]) -> dict[str, float | None]:
+    ttft = point["summary"].get("ttft_s") or {}
+    return {q: ttft.get(q) for q in ("min", "p50", "max")}
+
+
+def image_figures(doc: dict[str, Any]) -> dict[str, Any]:
+    """A `qwen38 bench image` document -> the image point's and the text-only point's time to first
+    token (min / p50 / max over their requests, each request's image its own) and prompt tokens;
+    the image's tokens (the prompts' difference) and what it adds to the first token at p50."""
+    points = {("text" if p["label"] == "text only" else "image"): p for p in doc["points"]}
+    if set(points) != {"image", "text"}:
+        raise ValueError(f"an image document has an image point and a text-only point, not {sorted(points)}")
+    rows = {kind: {"label": p["label"], "requests": p["summary"]["requests"],
+                   "prompt_tokens": p["summary"]["prompt_tokens"]["mean"], "ttft_s": _ttft(p)}
+            for kind, p in points.items()}
+    image, text = rows["image"], rows["text"]
+    out: dict[str, Any] = {"width": doc["parameters"]["width"], "height": doc["parameters"]["height"], **rows}
+    if image["prompt_tokens"] is not None and text["prompt_tokens"] is not None:
+        out["image_tokens"] = round(image["prompt_tokens"] - text["prompt_tokens"])
+    if image["ttft_s"]["p50"] is not None and text["ttft_s"]["p50"] is not None:
+        out["image_adds_ttft_s_p50"] = image["ttft_s"]["p50"] - text["ttft_s"]["p50"]
+    return out
+
+
+def tower_share(log: dict[str, Any], text_only_log: dict[str, Any] | None, tower_bytes: int | None) -> dict[str, Any]:
+    """The tower's resident memory: the target's "Model loading took X GiB" with VISION=true less
+    the same copy's text-only figure (vLLM loads no tower with `language_model_only`), beside the
+    bytes of the checkpoint's tower tensors (all of them on the device with the tower there; with
+    it in host memory the log's figure is the part the device keeps)."""
+    with_tower = log.get("model_loading_gib")
+    without = (text_only_log or {}).get("model_loading_gib")
+    out: dict[str, Any] = {"tower_checkpoint_bytes": tower_bytes, "model_loading_gib": with_tower,
+                           "text_only_model_loading_gib": without}
+    if with_tower is not None and without is not None:
+        out["tower_from_log_gib"] = round(with_tower - without, 3)
+    return out
+
+
+def image_markdown(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """One row per copy served with VISION=true: the pool it was served with, the tower's memory,
+    an image's and the text's time to first token."""
+
+    def seconds(ttft: dict[str, Any]) -> str:
+        return " / ".join("-" if ttft.get(q) is None else f"{ttft[q]:.3f}" for q in ("min", "p50", "max"))
+
+    lines = ["| served with images | KV pool (max_model_len) | tower GiB: checkpoint / on the device, planned / "
+             "loaded (log, with - without) | image | image tokens | TTFT s min / p50 / max | "
+             "text alone: TTFT s min / p50 / max |",
+             "|---|---|---|---|---|---|---|"]
+    for name, row in rows.items():
+        vision, image = row.get("vision") or {}, row.get("image") or {}
+        settings, share, planned = vision.get("settings") or {}, vision.get("tower") or {}, vision.get("planned") or {}
+        on_device = planned.get("device_tower_bytes", planned.get("tower_bytes"))
+        pool = settings.get("KV_CACHE_MEMORY_BYTES")
+        length = settings.get("MAX_MODEL_LEN", "as profiled")
+        pool_text = "-" if pool is None else f"{int(pool) / GIB:.2f} GiB ({length})"
+        log = share.get("tower_from_log_gib")
+        loaded = "-" if log is None else f"{log:.2f}"
+        tower = f"{_gib(share.get('tower_checkpoint_bytes'))} / {_gib(on_device)} / {loaded}"
+        size = f"{image['width']} x {image['height']}" if image else "-"
+        lines.append(f"| {name} | {pool_text} | {tower} | {size} | {image.get('image_tokens', '-')} | "
+                     f"{seconds((image.get('image') or {}).get('ttft_s') or {})} | "
+                     f"{seconds((image.get('text') or {}).get('ttft_s') or {})} |")
+    return lines
 
 
 def step_parts(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -39,7 +39,7 @@ PREP = ("patches", "bandwidth", "prebuild", "generate", "requantize", "adapter",
 # Seconds a step needs left in the call before it starts (full size on the GPU machine, generously;
 # the reduced presets of a dry run take seconds).
 ESTIMATE_S = {"patches": 60, "bandwidth": 60, "prebuild": 180, "generate": 240, "requantize": 180, "adapter": 300,
-              "profiles": 90, "start": 20}
+              "profiles": 90, "start": 45}  # a VISION=true copy's start asks `qwen38 plan` first (~15 s)
 REDUCED_ESTIMATE_S = {step: 30 for step in ESTIMATE_S}
 MEASURE_S = {"full": 480, "quick": 240, "tiny": 120}
 # Packing servers side by side: each one's CUDA context lies outside its allocator cap, and

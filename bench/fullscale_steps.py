@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -47,6 +48,7 @@ from entrypoint.lifecycle import process_alive, process_session
 from entrypoint.patches import find_vllm_dir
 from entrypoint.resolve import resolve_speculative
 from entrypoint.run_files import status_path
+from entrypoint.vision_memory import VisionMemory, checkpoint_tower_bytes, pool_for_vision
 from prepare.synthetic import TINY_PRESET, Recipe, StoredTensor, preset, stored_bytes, variant_tensors
 
 # An RTX 3090 as CUDA reports it on Linux: 24268 MiB, 25,447,170,048 B (deviceQuery; PyTorch's
@@ -142,11 +144,22 @@ SERVED: dict[str, Served] = {
                                        workloads=("c1", "steps"), profiled=True),
     "single-nospec-v2-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False, env=V2_RUNNER,
                                           workloads=("c1", "steps"), profiled=True),
+    # Images (issue 58): `single` with VISION=true as an owner serves it, with the KV pool (and
+    # MAX_MODEL_LEN) `qwen38 plan` names once the tower and the encoder cache come out of the
+    # profile's pinned pool (`vision_settings`), the tower where the profile's default puts it
+    # (VISION_TOWER=host on the 3090 profiles, patch 0087). `c1` beside the text-only copy's, then
+    # `image`: a 1920 x 1080 image's time to first token against the text alone.
+    "single-vision-full": Served("single", HEADLESS_3090_BYTES, settings=(("VISION", "true"),),
+                                 workloads=("c1", "image")),
     # `huge` (issue 56): the k4v2 pool the plan names, the verify step and the prefill at 25k and
     # 128k of context through the k4v2 kernels, then one request of 245,000 tokens run to its end
     # (`deep`: the copy's peak memory is sampled through it; minutes of prefill, so the run that
     # measures it goes detached: tests/gpu/lent_machine.sh fullscale-start).
     "huge-full": Served("huge", HEADLESS_3090_BYTES, workloads=("c1", "verify", "deep")),
+    # The same with the whole tower on the GPU: what keeping it in host memory costs an image
+    # (and saves the pool: the plan names the smaller pool and context for this one).
+    "single-vision-gpu-full": Served("single", HEADLESS_3090_BYTES,
+                                     settings=(("VISION", "true"), ("VISION_TOWER", "gpu")), workloads=("image",)),
     # Both on Marlin, as on the 3090: Hopper would serve W4A16 with Machete, which takes no int8
     # activations (the 2026-12-07 lease measured the switch doing nothing there).
     "batch-full": Served("batch", HEADLESS_3090_BYTES, env=MARLIN_AS_ON_THE_3090, workloads=("users",)),
@@ -218,6 +231,16 @@ MEASURE_SIZES: dict[str, dict[str, Workload]] = {
                                          "--prompt-tokens", "32", "--output-tokens", "16")),
              "deep": Workload("depth", (), (2_000,), 8)},
 }
+# `image` (issue 58): distinct noise PNGs one at a time, then the same text alone; measured only on
+# a copy served with VISION=true (`workload_argv`). 1920 x 1080 is within VISION_MAX_PIXELS'
+# 2,097,152 (~2,040 image tokens); the CPU dry run's 64 x 64 within the tiny processor's budget.
+IMAGE_WORKLOADS = {
+    "full": Workload("image", ("--requests", "8", "--width", "1920", "--height", "1080", "--output-tokens", "16")),
+    "quick": Workload("image", ("--requests", "4", "--width", "1920", "--height", "1080", "--output-tokens", "8")),
+    "tiny": Workload("image", ("--requests", "2", "--width", "64", "--height", "64", "--output-tokens", "4")),
+}
+for _size, _image in IMAGE_WORKLOADS.items():
+    MEASURE_SIZES[_size]["image"] = _image
 
 
 # ---------------------------------------------------------------------------------------
@@ -763,6 +786,7 @@ def step_start(root: Path, profile: str, port: int, copy: Served | None = None) 
     code = _snapshot_code(root)
     copy = copy or SERVED.get(profile)
     env = _serve_env(root, _key_file(root), code, copy, profile)
+    env.update(vision_settings(root, profile, copy))  # VISION=true: the pool the planner names
     env["PORT"] = str(port)
     if "TORCH_PROFILE_DIR" in env:  # a fresh directory: no trace of an earlier start is taken for this one's
         shutil.rmtree(env["TORCH_PROFILE_DIR"], ignore_errors=True)
@@ -920,7 +944,58 @@ def workload_argv(root: Path, profile: str, copy: Served | None, name: str, max_
         if copy is None or not copy.profiled:
             return "served without TORCH_PROFILE_DIR (Served.profiled)"
         extra = [*extra, "--trace-dir", str(trace_dir(root, profile))]
+    if name == "image" and not vision_on(copy):
+        return "served without VISION=true (Served.settings): the server takes no images"
     return extra
+
+
+def vision_on(copy: Served | None) -> bool:
+    """Whether the copy is served with VISION=true (`Served.settings`, as an owner sets it)."""
+    return copy is not None and dict(copy.settings).get("VISION", "").strip().lower() in ("true", "1", "yes", "on")
+
+
+_SET_POOL = re.compile(r"set KV_CACHE_MEMORY_BYTES=(\d+)")
+_SET_LENGTH = re.compile(r"set MAX_MODEL_LEN=([\d,]+)")
+
+
+def vision_settings(root: Path, profile: str, copy: Served | None) -> dict[str, str]:
+    """For a copy served with VISION=true: the settings `qwen38 plan` names when it refuses the
+    profile's own pinned pool (`entrypoint.vision_memory.vision_refusal`: KV_CACHE_MEMORY_BYTES,
+    and MAX_MODEL_LEN where the smaller pool holds less), read from the planner's answer as an
+    owner reads it, and kept in ``<profile>.vision.json`` for the start and the measurement
+    ({} for other copies, or where the profile's pool already takes the tower)."""
+    if not vision_on(copy):
+        return {}
+    known = read_result(root, f"{profile}.vision")
+    if known is not None and "settings" in known:
+        return dict(known["settings"])
+    env = _serve_env(root, _key_file(root), copy=copy)
+    done = _cli("plan", "--profile", profile, "--json", "--no-compare", env=env)
+    try:
+        planned = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        raise BenchError(f"{profile}: `qwen38 plan` with VISION=true gave no plan: "
+                         f"{(done.stdout + done.stderr)[-600:]}") from None
+    refusal = planned.get("vision_refusal")
+    settings: dict[str, str] = {}
+    if refusal is not None:
+        pool = _SET_POOL.search(refusal)
+        if pool is None or "too small for any request" in refusal:  # no pool that serves images
+            raise BenchError(f"{profile}: {refusal}")
+        settings["KV_CACHE_MEMORY_BYTES"] = pool[1]
+        if (length := _SET_LENGTH.search(refusal)) is not None:
+            settings["MAX_MODEL_LEN"] = length[1].replace(",", "")
+        # The planner's arithmetic, once more from its own parts (`pool_for_vision`): the line and
+        # the figures it was made from agree, or the line is not read right.
+        expected = pool_for_vision(planned["pool_bytes"], VisionMemory(**planned["vision"]))
+        if int(settings["KV_CACHE_MEMORY_BYTES"]) != expected:
+            raise BenchError(f"{profile}: read KV_CACHE_MEMORY_BYTES={pool[1]} from the plan, whose parts give "
+                             f"{expected}: {refusal}")
+    elif done.returncode != 0:
+        raise BenchError(f"{profile}: `qwen38 plan` with VISION=true refused: {(done.stderr or done.stdout)[-600:]}")
+    _write(root, f"{profile}.vision", {"settings": settings, "refusal": refusal, "vision": planned.get("vision"),
+                                       "profile_pool_bytes": planned.get("pool_bytes")})
+    return settings
 
 
 def step_measure(root: Path, profile: str, sizes: str = "quick", workloads: tuple[str, ...] | None = None,
@@ -943,10 +1018,12 @@ def step_measure(root: Path, profile: str, sizes: str = "quick", workloads: tupl
     result: dict[str, Any] = {"profile": profile, "sizes": sizes, "bench": {}, "decode": {}, "began": time.time(),
                               "speculation": method, "speculative_tokens": k}
     chosen = workloads or (copy.workloads if copy else None)
+    # The context as served (VISION=true may serve a shorter one than the profile's).
+    context = int(vision_settings(root, profile, copy).get("MAX_MODEL_LEN") or served.engine.max_model_len)
     for name, workload in MEASURE_SIZES[sizes].items():
         if chosen is not None and name not in chosen:
             continue
-        extra = workload_argv(root, profile, copy, name, served.engine.max_model_len, sizes)
+        extra = workload_argv(root, profile, copy, name, context, sizes)
         if isinstance(extra, str):
             result["bench"][name] = {"skipped": extra}
             continue
@@ -969,15 +1046,21 @@ def step_measure(root: Path, profile: str, sizes: str = "quick", workloads: tupl
             result["users"] = figures.users_figures(doc, k, served.engine.max_num_seqs, project)
         elif doc and name == "steps":
             result["steps"] = figures.step_parts(doc)
+        elif doc and name == "image":
+            result["image"] = figures.image_figures(doc)
         _write(root, f"{profile}.measure", result)
     planned: dict[str, Any] = {}
-    plan = _cli("plan", "--profile", profile, "--json", env=_serve_env(root, key, copy=copy))
+    # The copy as served: with VISION=true, the pool (and context) the planner named for it.
+    plan_env = {**_serve_env(root, key, copy=copy), **vision_settings(root, profile, copy)}
+    plan = _cli("plan", "--profile", profile, "--json", env=plan_env)
     if plan.returncode == 0:
         try:
             planned = json.loads(plan.stdout)
         except json.JSONDecodeError:
             result["plan_text"] = plan.stdout[-2000:]
     result.update(footprint_of(root, profile, served, start, planned))
+    if vision_on(copy):
+        result["vision"] = vision_footprint(root, profile, served, copy)
     # Anything else on the GPU while the workloads ran (another copy, another job: its kernels
     # share the device with the measured steps) - from the sampler's compute-process lines.
     beside = figures.neighbours(figures.parse_samples(_samples_text(root, profile)), _descendants(start["pid"]),
@@ -1015,7 +1098,9 @@ def footprint_of(root: Path, profile: str, served, start: dict[str, Any], planne
     ready = read_result(root, f"{profile}.ready") or {}
     ready_at = start["started"] + ready["ready_s"] if ready.get("ready_s") else time.time()
     starting_beside = figures.neighbours(samples, own, start["started"], ready_at)
-    fp = figures.footprint(log, peak["bytes"] or 0, kv_pool=served.engine.kv_cache_memory_bytes or 0,
+    # The pool as served: the plan's (a copy's own KV_CACHE_MEMORY_BYTES, e.g. VISION=true's), else the profile's.
+    pool_bytes = planned.get("pool_bytes") or served.engine.kv_cache_memory_bytes or 0
+    fp = figures.footprint(log, peak["bytes"] or 0, kv_pool=pool_bytes,
                            drafter=drafter, gdn_state=gdn, graphs_attributable=not starting_beside)
     verdict = figures.fit_verdict(peak["bytes"], budget) if budget else {"cap_held": None}
     if _base_of(profile) in CAPPED:  # an uncapped copy too: by how much it would miss (or fit) a 3090
@@ -1031,6 +1116,36 @@ def footprint_of(root: Path, profile: str, served, start: dict[str, Any], planne
 
 def _base_of(profile: str) -> str:
     return SERVED[profile].base if profile in SERVED else profile.removesuffix("-full")
+
+
+def text_only_copy(profile: str, copy: Served) -> str | None:
+    """The served copy that is ``copy`` without VISION (nor its VISION_* knobs): the same profile,
+    budget, method and environment (for `single-vision-full` and `single-vision-gpu-full`, `single-full`)."""
+
+    def without_vision(s: Served) -> tuple:
+        settings = tuple((k, v) for k, v in s.settings if not k.startswith("VISION"))
+        return s.base, s.budget, s.speculation, s.env, s.lookup, s.max_model_len, settings, s.drop_env, s.profiled
+
+    return next((name for name, other in SERVED.items()
+                 if name != profile and not vision_on(other) and without_vision(other) == without_vision(copy)), None)
+
+
+def vision_footprint(root: Path, profile: str, served: Profile, copy: Served) -> dict[str, Any]:
+    """What VISION=true cost the copy: the settings it was served with (the planner's pool), what
+    the planner counted (tower and encoder cache), and the tower's resident share: the bytes of
+    the served target's ``model.visual.*`` tensors, and vLLM's model loading against the
+    text-only copy's where that copy started under the same ROOT (`figures.tower_share`)."""
+    known = read_result(root, f"{profile}.vision") or {}
+    reference = text_only_copy(profile, copy)
+    text_log = (read_result(root, f"{reference}.ready") or {}).get("log") if reference else None
+    target = root / "models" / served.models.target.dir
+    try:
+        tower = checkpoint_tower_bytes(target) if target.is_dir() else None
+    except StackError:  # an unreadable checkpoint: the log's figure stands alone
+        tower = None
+    log = figures.parse_engine_log(_log_text(root, profile))
+    return {"settings": known.get("settings"), "planned": known.get("vision"), "text_only_copy": reference,
+            "tower": figures.tower_share(log, text_log, tower)}
 
 
 def step_stop(root: Path, profile: str, grace: float = 60.0) -> dict[str, Any]:
@@ -1100,6 +1215,9 @@ def summarize(results: dict[str, dict[str, Any]], served: dict[str, Served] | No
                         "decode", "prefill", "verify", "verify_prefill", "deep", "users", "steps", "others_alive",
                         "measured_alone",
                         "gpu_neighbours_while_measured", "gpu_neighbours_while_starting"):
+                if key in measure:
+                    row[key] = measure[key]
+            for key in ("image", "vision"):  # VISION=true (issue 58): an image's first token, the tower
                 if key in measure:
                     row[key] = measure[key]
             s = served[name]

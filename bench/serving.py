@@ -4,7 +4,7 @@
 sends unmeasured warm-up requests, runs each point and returns the result document
 (`bench.report`), whose consistency checks compare streamed tokens with usage, usage with
 /tokenize and /metrics, and the speculative counters. Run it against an otherwise idle
-server: /metrics counters are server-wide. `qwen38 bench c1|c8|agent|users|depth|copy` is its
+server: /metrics counters are server-wide. `qwen38 bench c1|c8|agent|users|depth|copy|image` is its
 command line (`bench.commands.server`).
 """
 
@@ -68,7 +68,8 @@ def run_workload(
         f"point(s), prompts built in {time.perf_counter() - started:.1f} s"
     )
     if warmup:
-        warm_up(client, [ctx.warm_up_request()] * warmup)
+        own = workload.warm_up(params, ctx) if workload.warm_up is not None else []
+        warm_up(client, [ctx.warm_up_request()] * warmup + own * warmup)
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     runs = []
     for point in points:

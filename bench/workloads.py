@@ -1,4 +1,4 @@
-"""The serving workloads: c1, c8, agent, users, depth, copy.
+"""The serving workloads: c1, c8, agent, users, depth, copy, image.
 
 Each workload is a parameters dataclass (every size a field whose default is the value the
 source articles published; the CLI flags and their help are generated from the fields) and
@@ -14,6 +14,9 @@ second run on the same server starts from a cold prefix cache, like the first.
 from __future__ import annotations
 
 import dataclasses
+import random
+import struct
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +79,15 @@ class DepthParams:
 class CopyParams:
     document_tokens: int = knob(25000, "tokens of the document to reproduce (= output tokens)")
     repeats: int = knob(1, "requests (one after the other)")
+
+
+@dataclass(frozen=True)
+class ImageParams:
+    width: int = knob(1920, "image width in pixels")
+    height: int = knob(1080, "image height in pixels (1920 x 1080 is within VISION_MAX_PIXELS' default 2,097,152)")
+    requests: int = knob(4, "image requests, one after the other, each with an image of its own (then as many "
+                            "text-only requests of the same text)")
+    output_tokens: int = knob(8, "output tokens per request, EOS ignored")
 
 
 @dataclass
@@ -269,6 +281,63 @@ def build_depth(p: DepthParams, ctx: Context) -> list[Point]:
     return points
 
 
+# The text beside each image (and, alone, the text-only point's prompt).
+IMAGE_QUESTION = "Describe this image in one short sentence."
+
+
+def noise_png(width: int, height: int, seed: str) -> bytes:
+    """An RGB PNG of ``width`` x ``height`` uniform random pixels, drawn from ``seed``: no two
+    seeds give the same image, so neither vLLM's encoder cache nor its prefix cache (both keyed
+    by the image's hash) ever holds one. Written with the standard library (zlib at level 1:
+    noise does not compress; a 1920 x 1080 image is ~6.2 MB)."""
+    if width < 1 or height < 1:
+        raise BenchError(f"image {width} x {height}: both sides must be at least 1 pixel")
+    pixels = random.Random(seed).randbytes(width * height * 3)
+    row = width * 3
+    # Each scanline: filter type 0 (none), then its pixels.
+    raw = b"".join(b"\x00" + pixels[y * row:(y + 1) * row] for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits, truecolour
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 1)) + chunk(b"IEND", b"")
+
+
+def image_message(png: bytes, text: str) -> dict[str, Any]:
+    """A user turn of one inline image (an OpenAI ``image_url`` data URL) and a text part."""
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                        {"type": "text", "text": text}]}
+
+
+def _image_request(p: ImageParams, ctx: Context, tag: str, label: str) -> RequestSpec:
+    png = noise_png(p.width, p.height, f"image-{ctx.seed}-{ctx.cache_salt}-{tag}")
+    return ctx.request([image_message(png, IMAGE_QUESTION)], p.output_tokens, label, salt=ctx.salt("image", tag))
+
+
+def build_image(p: ImageParams, ctx: Context) -> list[Point]:
+    """Two points of ``requests`` requests each, one at a time: each with a distinct noise image
+    of width x height and a short question, then the same question alone (the text-only time to
+    first token, for comparison). Each request has a salt of its own, so nothing is cached."""
+    size = f"{p.width}x{p.height}"
+    images = [_image_request(p, ctx, str(i), f"image {size} request {i}") for i in range(p.requests)]
+    texts = [
+        ctx.request([{"role": "user", "content": IMAGE_QUESTION}], p.output_tokens, f"text only request {i}",
+                    salt=ctx.salt("image-text", i))
+        for i in range(p.requests)
+    ]
+    return [Point(f"image {size}", p.width * p.height, 1, [images]), Point("text only", 0, 1, [texts])]
+
+
+def warm_up_image(p: ImageParams, ctx: Context) -> list[RequestSpec]:
+    """One image of the measured size first (an image the measured ones never repeat): the first
+    image after a start pays one-off costs of the encoder's path."""
+    return [_image_request(p, ctx, "warm-up", "warm-up image")]
+
+
 def build_copy(p: CopyParams, ctx: Context) -> list[Point]:
     doc = prompts.fit_tokens(
         prompts.document(prompts.SeededStream("copy", ctx.seed)), p.document_tokens, ctx.tokenizer
@@ -291,6 +360,8 @@ class Workload:
     params: type
     build: Callable[[Any, Context], list[Point]]
     x_axis: str  # what a plot puts on x: "concurrency" or "context tokens"
+    # Unmeasured requests of the workload's own kind, after the text warm-up (None: that alone).
+    warm_up: Callable[[Any, Context], list[RequestSpec]] | None = None
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -351,6 +422,19 @@ WORKLOADS: dict[str, Workload] = {
             CopyParams,
             build_copy,
             "context tokens",
+        ),
+        Workload(
+            "image",
+            "time to first token of an image: 4 distinct 1920 x 1080 noise PNGs, then the same text alone",
+            "One request at a time, each a user turn of one inline PNG of random noise (a new image every "
+            "request, so no encoder or prefix cache hits) and a short question, a few output tokens; then the "
+            "same question without an image. The points' time to first token is the image's cost (decode, "
+            "preprocessing, the vision encoder, the prefill of its tokens) beside the text's. Needs a server "
+            "with VISION=true.",
+            ImageParams,
+            build_image,
+            "context tokens",
+            warm_up=warm_up_image,
         ),
     )
 }

@@ -385,7 +385,8 @@ def write_model(out: Path, p: Preset, variant: str, seed: int, workers: int, *, 
         if role == "target":  # a drafter reads the target's tokenizer
             write_tokenizer(stage, tokenizer)
             if p.vision is not None:  # the image and video processors' configs
-                for file, processor in processor_configs(p.vision).items():
+                pixels = {"min_pixels": p.min_pixels, "max_pixels": p.max_pixels}
+                for file, processor in processor_configs(p.vision, **pixels).items():
                     (stage / file).write_text(json.dumps(processor, indent=2) + "\n")
         with CheckpointWriter(stage) as writer:
             written = fill(shard_tasks(writer, plan.shards, seed), workers, writer)

@@ -134,6 +134,13 @@ class VisionShape:
         return self.hidden_size * self.spatial_merge_size**2
 
 
+# The tiny processor's pixel budget: at most 256 x 256 pixels an image (256 patches of 16 x 16,
+# 64 tokens after the 2 x 2 merge), at least 32 x 32 (one token), so that vLLM's profiling run
+# (a largest dummy image) stays cheap on a CPU.
+TINY_MIN_PIXELS = 32 * 32
+TINY_MAX_PIXELS = 256 * 256
+
+
 @dataclass(frozen=True)
 class Preset:
     """A size of the generated models, and which of them ``qwen38 generate`` writes."""
@@ -157,6 +164,9 @@ class Preset:
     # A vision tower (``model.visual.*``) and its processor configs; only with the "vl" config
     # form and names (`Qwen3_5ForConditionalGeneration`).
     vision: VisionShape | None = None
+    # The image processor's pixel budget (preprocessor_config.json's ``size``), with a tower.
+    min_pixels: int = TINY_MIN_PIXELS
+    max_pixels: int = TINY_MAX_PIXELS
 
     def with_layers(self, layers: int) -> Preset:
         """The same shapes with ``layers`` target layers (a slice, for measuring throughput)."""
@@ -229,8 +239,14 @@ def vision_shape_from_config(vision_config: dict[str, Any]) -> VisionShape:
 # for the shapes the generator writes, the roofline counts and the planner plans.
 FULL_TARGET = target_shape_from_config(_model_config("qwen3.8-27b-w4a16")["text_config"])
 FULL_DRAFTER = drafter_shape_from_config(_model_config("qwen3.8-27b-dflash2"))
-# The real tower (27 blocks, hidden 1152): what the planner will count once a profile serves images.
+# The real tower (27 blocks, hidden 1152): what the planner counts with VISION=true, and what the
+# full preset's targets carry (the hub checkpoints carry it too, 921,460,192 bytes in bf16).
 FULL_VISION = vision_shape_from_config(_model_config("qwen3.8-27b-w4a16")["vision_config"])
+# The full targets' image processor budget: at most the stack's own cap (core.settings
+# DEFAULT_MAX_PIXELS, which `qwen38 serve` hands the processor with VISION=true anyway), at least
+# 32 x 32. The real checkpoint's preprocessor_config.json is not in profiles/model-configs.
+FULL_MIN_PIXELS = 32 * 32
+FULL_MAX_PIXELS = 2_097_152
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -238,6 +254,10 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "full", "Qwen3.8-27B's own shapes (profiles/model-configs): the lent GPU's artifacts",
             FULL_TARGET, FULL_DRAFTER, variants=REAL_VARIANTS,
+            # The real tower under model.visual.* in both targets (bf16 in every format), the vision
+            # tokens in the tokenizer, and the processor configs: a VL checkpoint, served text-only
+            # (`language_model_only`) unless VISION=true, as the hub checkpoints are.
+            vision=FULL_VISION, min_pixels=FULL_MIN_PIXELS, max_pixels=FULL_MAX_PIXELS,
         ),
         Preset(
             "small", "the real formats at CPU-servable sizes (hidden 512, 8 layers, vocab 2048)",
@@ -735,18 +755,12 @@ def vision_fields(v: VisionShape) -> dict[str, Any]:
             "in_channels": v.in_channels, "deepstack_visual_indexes": []}
 
 
-# The tiny processor's pixel budget: at most 256 x 256 pixels an image (256 patches of 16 x 16,
-# 64 tokens after the 2 x 2 merge), at least 32 x 32 (one token), so that vLLM's profiling run
-# (a largest dummy image) stays cheap on a CPU.
-TINY_MIN_PIXELS = 32 * 32
-TINY_MAX_PIXELS = 256 * 256
-
-
 def processor_configs(v: VisionShape, *, min_pixels: int = TINY_MIN_PIXELS,
                       max_pixels: int = TINY_MAX_PIXELS) -> dict[str, dict[str, Any]]:
     """preprocessor_config.json and video_preprocessor_config.json: transformers'
     `Qwen3VLProcessor` (an image processor and a video processor of the tower's patch sizes,
-    mean and std 0.5 as the Qwen3-VL family's), under a tiny pixel budget."""
+    mean and std 0.5 as the Qwen3-VL family's), under a pixel budget (the tiny one by default;
+    the full preset's is `FULL_MAX_PIXELS`)."""
     common = {
         "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
         "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size, "merge_size": v.spatial_merge_size,

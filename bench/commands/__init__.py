@@ -4,7 +4,7 @@
 subcommands live in one module per group, beside the benchmark modules whose functions
 they call, parse the flags for and print the figures of:
 
-- `bench.commands.server`: c1, c8, agent, users, depth, copy, compare, plot, watchdog, steps (against a
+- `bench.commands.server`: c1, c8, agent, users, depth, copy, image, compare, plot, watchdog, steps (against a
   running server);
 - `bench.commands.lifecycle`: startup, plan, shutdown (they run `qwen38` themselves);
 - `bench.commands.preparation`: verify, requantize, adapter (the preparation steps at full size);

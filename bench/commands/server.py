@@ -1,4 +1,4 @@
-"""`qwen38 bench c1|c8|agent|users|depth|copy|compare|plot|watchdog|steps`: the benchmarks run against a server.
+"""`qwen38 bench c1|c8|agent|users|depth|copy|image|compare|plot|watchdog|steps`: the benchmarks run against a server.
 
 ``qwen38 bench WORKLOAD --base-url URL --model ID [--api-key KEY | --api-key-file F]
 [--out FILE.json] [--plot FILE.png]`` runs the workload (`bench.workloads`, measured by
@@ -221,7 +221,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def register_workloads(subparsers: argparse._SubParsersAction) -> None:
-    """c1, c8, agent, users, depth, copy (one per workload), then compare and plot."""
+    """c1, c8, agent, users, depth, copy, image (one per workload), then compare and plot."""
     for workload in WORKLOADS.values():
         parser = subparsers.add_parser(workload.name, help=workload.help, description=workload.description)
         _add_common(parser)

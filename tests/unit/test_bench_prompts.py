@@ -158,6 +158,7 @@ def test_every_workload_builds_the_same_requests_from_the_same_seed(tok, name):
         "users": {"system_tokens": 200, "prompt_tokens": 60, "output_tokens": 20, "concurrency": (1, 2), "rounds": 2},
         "depth": {"depths": (0, 100, 300), "output_tokens": 8},
         "copy": {"document_tokens": 150},
+        "image": {"width": 16, "height": 16, "requests": 2, "output_tokens": 4},
     }[name]
     params = params_from_args(workload, small)
 

@@ -356,10 +356,10 @@ def test_generate_refuses_before_writing_when_the_artifacts_do_not_fit_the_disk(
     with pytest.raises(BenchError) as refused:
         fs.step_generate(tmp_path / "run", "full", workers=1, disk_bytes=8 << 20)
     message = str(refused.value)
-    assert "46.5 GB of artifacts" in message and "36.5 GB free" in message
+    assert "48.3 GB of artifacts" in message and "36.5 GB free" in message  # the two towers included
     assert f"qwen38 bench fullscale run --root {tmp_path / 'run'} --served single-full,long-full" in message
     assert not (tmp_path / "run" / "models" / "artifacts" / "qwen3.8-27b-w4a16").exists()
-    fs.check_disk_room(tmp_path, "full", list(fs.RTX3090_VARIANTS))  # 19.8 GB + room fits 36.5
+    fs.check_disk_room(tmp_path, "full", list(fs.RTX3090_VARIANTS))  # 20.7 GB + room fits 36.5
     # Where not even the 3090's artifacts fit, the hint is the disk itself.
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 30, 50 << 30, 14 << 30))
     with pytest.raises(BenchError, match="free space there or give --root a larger disk$"):

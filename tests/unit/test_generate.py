@@ -49,19 +49,22 @@ def _tree(directory: Path) -> dict[str, str]:
 
 def test_full_preset_has_the_shapes_of_the_model_configs():
     real = json.loads((MODEL_CONFIGS / "qwen3.8-27b-w4a16" / "config.json").read_text())
-    ours = target_config(PRESETS["full"], "w4a16", {"eos": 2, "pad": 0, "mask": 9})
+    vision_ids = {"vision_start": 248316, "vision_end": 248317, "image_pad": 248318, "video_pad": 248319}
+    ours = target_config(PRESETS["full"], "w4a16", {"eos": 2, "pad": 0, "mask": 9, **vision_ids})
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "layer_types", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
                 "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "vocab_size",
                 "rope_parameters"):
         assert ours["text_config"][key] == real["text_config"][key], key
     assert ours["architectures"] == real["architectures"] and ours["quantization_config"] == real["quantization_config"]
+    # The real tower's config, the vision tokens' ids (the generated tokenizer's last four).
+    assert ours["vision_config"] == real["vision_config"] and ours["image_token_id"] == 248318
 
 
 def test_full_artifacts_weigh_what_the_hub_checkpoints_do():
     full = PRESETS["full"]
     sizes = {v: sum(t.nbytes for t in variant_tensors(full, v)) for v in full.variants}
-    # REFERENCE.md: W4A16 target ~19.5 GB (with a vision tower this generator omits), GPTQ drafter
+    # REFERENCE.md: W4A16 target ~19.5 GB (its vision tower included, as here), GPTQ drafter
     # 1.19 GB, bf16 drafter 3.85 GB, NVFP4 target 20.42 GiB (8.56 NVFP4 + 7.79 FP8 + 4.07 BF16).
     assert 17.5 * GB < sizes["qwen3.8-27b-w4a16"] < 19.5 * GB
     assert 1.0 * GB < sizes["qwen3.8-27b-dflash2-w4a16"] < 1.3 * GB
