@@ -151,10 +151,10 @@ SERVED: dict[str, Served] = {
     # `image`: a 1920 x 1080 image's time to first token against the text alone.
     "single-vision-full": Served("single", HEADLESS_3090_BYTES, settings=(("VISION", "true"),),
                                  workloads=("c1", "image")),
-    # `huge` (issue 56): the k4v2 pool the plan names, the verify step and the prefill at 25k and
-    # 128k of context through the k4v2 kernels, then one request of 245,000 tokens run to its end
+    # `huge` (issue 56): the k4v2 pool the plan names, one request of 245,000 tokens run to its end
     # (`deep`: the copy's peak memory is sampled through it; minutes of prefill, so the run that
-    # measures it goes detached: tests/gpu/lent_machine.sh fullscale-start).
+    # measures it goes detached: tests/gpu/lent_machine.sh fullscale-start), then the verify step
+    # and the prefill at 25k and 128k of context through the k4v2 kernels.
     "huge-full": Served("huge", HEADLESS_3090_BYTES, workloads=("c1", "verify", "deep")),
     # The same with the whole tower on the GPU: what keeping it in host memory costs an image
     # (and saves the pool: the plan names the smaller pool and context for this one).
@@ -207,29 +207,31 @@ DEEP = ("--request-timeout", "480")
 # kernel's 96.7 ms per layer at 128k (H100, docs/kv-k4v2.md) puts its first token minutes away.
 DEEPEST = ("--request-timeout", "1200")
 DEEPEST_TOKENS = (245_000,)
+# Measured in this order: `deep` (one copy's whole context) right after `c1`, so that a lease
+# ending early keeps the request run to its end before the shallower depths.
 MEASURE_SIZES: dict[str, dict[str, Workload]] = {
     "full": {"c1": Workload("c1", ("--requests", "5", "--output-tokens", "2048")),
+             "deep": Workload("depth", DEEPEST, DEEPEST_TOKENS, 128, clamp=True),
              "c8": Workload("c8", ("--requests", "32")),
              "prefill": Workload("depth", DEEP, PREFILL_TOKENS, 16),
              "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 128, clamp=True),
              "steps": Workload("steps", ("--concurrency", "1,8", "--steps", "32", "--trace-timeout", "240")),
-             "users": Workload("users", ("--concurrency", "1,8,32,64")),
-             "deep": Workload("depth", DEEPEST, DEEPEST_TOKENS, 128, clamp=True)},
+             "users": Workload("users", ("--concurrency", "1,8,32,64"))},
     "quick": {"c1": Workload("c1", ("--requests", "2", "--output-tokens", "256")),
+              "deep": Workload("depth", DEEPEST, DEEPEST_TOKENS, 32, clamp=True),
               "c8": Workload("c8", ("--requests", "16")),
               "prefill": Workload("depth", DEEP, PREFILL_TOKENS, 16),
               "verify": Workload("depth", DEEP, VERIFY_DEPTHS, 48, clamp=True),
               "steps": Workload("steps", ("--concurrency", "1,8", "--steps", "32", "--trace-timeout", "240")),
-              "users": Workload("users", ("--concurrency", "1,8,64", "--rounds", "1")),
-              "deep": Workload("depth", DEEPEST, DEEPEST_TOKENS, 32, clamp=True)},
+              "users": Workload("users", ("--concurrency", "1,8,64", "--rounds", "1"))},
     "tiny": {"c1": Workload("c1", ("--requests", "1", "--input-tokens", "64", "--output-tokens", "24")),
+             "deep": Workload("depth", (), (2_000,), 8),
              "c8": Workload("c8", ("--requests", "8", "--input-tokens", "64", "--output-tokens", "16")),
              "prefill": Workload("depth", (), (128, 512), 8),
              "verify": Workload("depth", (), (1024, 40_000), 16),
              "steps": Workload("steps", ("--concurrency", "1", "--steps", "4", "--warmup-steps", "2")),
              "users": Workload("users", ("--concurrency", "1,4", "--rounds", "1", "--system-tokens", "64",
-                                         "--prompt-tokens", "32", "--output-tokens", "16")),
-             "deep": Workload("depth", (), (2_000,), 8)},
+                                         "--prompt-tokens", "32", "--output-tokens", "16"))},
 }
 # `image` (issue 58): distinct noise PNGs one at a time, then the same text alone; measured only on
 # a copy served with VISION=true (`workload_argv`). 1920 x 1080 is within VISION_MAX_PIXELS'

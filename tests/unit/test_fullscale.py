@@ -452,7 +452,7 @@ def test_a_workload_no_size_has_is_refused_before_anything_runs(tmp_path):
     for call in (lambda w: fs.step_measure(tmp_path, "single-full", "quick", w),
                  lambda w: run(tmp_path, budget_s=10, workloads=w)):
         with pytest.raises(BenchError,
-                           match="--workloads c64: expected a comma list of c1, c8, prefill, verify, steps, users"):
+                           match="--workloads c64: expected a comma list of c1, deep, c8, prefill, verify, steps, users, image"):
             call(("users", "c64"))
     assert not (tmp_path / fs.RESULTS).exists()  # nothing was prepared, started or written
     with pytest.raises(BenchError, match="not ready"):
