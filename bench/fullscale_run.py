@@ -16,7 +16,8 @@ What comes next (`next_action`, pure):
    compiling, warm-up and graph capture would run beside the measured steps);
 4. otherwise servers are started in `SERVED` order: the first alone (its cold start is timed
    alone, and it fills the shared compile caches: almost all of a cold start is Triton JIT and
-   autotuning at the model's shapes, docs/gpu.md), the others as many side by side as the
+   autotuning at the model's shapes, docs/gpu.md; `--side-by-side` starts it beside the rest,
+   for a lease too short for one start after another), the others as many side by side as the
    device's memory takes (their budgets added up), `STAGGER_S` apart, unless a ready one
    waits to be measured;
    where nvidia-smi does not list this machine's process ids (a container), one at a time, so
@@ -79,8 +80,10 @@ class Action:
 
 
 def next_action(state: RunState, remaining_s: float, sizes: str = "quick",
-                estimates: dict[str, float] = ESTIMATE_S) -> Action:
-    """What to do now, with ``remaining_s`` seconds left in this call (see the module docstring)."""
+                estimates: dict[str, float] = ESTIMATE_S, first_alone: bool = True) -> Action:
+    """What to do now, with ``remaining_s`` seconds left in this call (see the module docstring).
+    ``first_alone=False``: the first cold starts side by side too (a short lease: each start's
+    time is then measured beside the others', the steps still one copy at a time)."""
     for step in PREP:
         if step not in state.prepared:
             if remaining_s < estimates[step]:
@@ -102,7 +105,7 @@ def next_action(state: RunState, remaining_s: float, sizes: str = "quick",
         alive = starting + ready
         if state.pid_attribution is False and alive:
             return Action("wait", alive[0].name, "one server at a time: nvidia-smi does not list our processes")
-        if not state.warmed and alive:
+        if first_alone and not state.warmed and alive:
             return Action("wait", alive[0].name, "the first cold start runs alone")
         used = sum(s.budget + CONTEXT_BYTES for s in alive)
         total = state.device_total or 0
@@ -199,7 +202,7 @@ class Log:
 def run(root: Path, *, budget_s: float, size: str = "full", sizes: str = "quick", base_port: int = 18030,
         out: Path | None = None, workers: int | None = None, served: dict[str, fs.Served] | None = None,
         total_bytes: int | None = None, skip_prep: tuple[str, ...] = (),
-        workloads: tuple[str, ...] | None = None) -> dict[str, Any]:
+        workloads: tuple[str, ...] | None = None, first_alone: bool = True) -> dict[str, Any]:
     """Do what comes next until ``budget_s`` is spent or nothing is left; then write the report
     (to ``out``: a JSON file, or a directory that gets fullscale.json, .md and the logs' tails).
     ``workloads``: what every copy measures (None: each copy's own choice)."""
@@ -212,7 +215,8 @@ def run(root: Path, *, budget_s: float, size: str = "full", sizes: str = "quick"
     while True:
         state = read_state(root, served, skip_prep)
         remaining = deadline - time.monotonic()
-        action = next_action(state, remaining, sizes, ESTIMATE_S if size == "full" else REDUCED_ESTIMATE_S)
+        action = next_action(state, remaining, sizes, ESTIMATE_S if size == "full" else REDUCED_ESTIMATE_S,
+                             first_alone)
         if action.kind in ("end", "report"):
             break
         began = time.monotonic()

@@ -44,7 +44,7 @@ def _cmd_fullscale(args: argparse.Namespace) -> int:
     elif step == "run":
         result = run(root, budget_s=args.budget, size=args.size, sizes=args.sizes, base_port=args.port,
                      out=Path(args.out) if args.out else None, workers=args.workers, served=served_subset(args.served),
-                     workloads=_workloads(args))
+                     workloads=_workloads(args), first_alone=not args.side_by_side)
     elif step == "patches":
         result = steps.step_patches(root)
     elif step == "bandwidth":
@@ -117,6 +117,9 @@ def register_fullscale(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--workloads", default=None,
                         help="measure / run: a comma list of the workloads every copy measures "
                         f"(default each copy's own; of {', '.join(steps.MEASURE_SIZES['quick'])})")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="run: start the first cold copies side by side too (a short lease; each start's time is "
+                             "then measured beside the others', the workloads still one copy at a time)")
     parser.add_argument("--pid", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="report / run: the JSON to write (docs/gpu/DATE-GPU-fullscale.json)")
     parser.add_argument("--cores", type=int, default=16, help="rates: cores of the machine projected to (default 16)")

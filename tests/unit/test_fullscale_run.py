@@ -30,6 +30,8 @@ def test_the_first_cold_start_runs_alone():
     got = next_action(state(*servers, warmed=False), 540)
     assert got.kind == "wait" and "cold start runs alone" in got.why
     assert next_action(state(*servers, warmed=True), 540) == Action("start", "long-full")
+    # A short lease's choice: side by side from the first start (still `STAGGER_S` apart).
+    assert next_action(state(*servers, warmed=False), 540, first_alone=False) == Action("start", "long-full")
 
 
 def test_servers_start_side_by_side_while_their_budgets_fit_the_device():
