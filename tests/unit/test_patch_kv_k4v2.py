@@ -97,11 +97,14 @@ def test_stock_vllm_refuses_the_name(config_in_views):
     assert stock["mode"] == "NONE" and not stock["triton"]
 
 
+# The request's path comes first in the script (REQUEST = ...), not in the environment: a
+# variable of its own would start a warm Python of its own for the patched view, where the one
+# `config_in_views` started serves (tests.support.warm_python: one per view and environment).
 PLAN = r"""
-import json, os, sys
+import json
 from entrypoint import kv_capacity
 kv_capacity._inspect_in_this_process()
-request = json.loads(open(os.environ["QWEN38_TEST_REQUEST"]).read())
+request = json.loads(open(REQUEST).read())
 print(json.dumps(kv_capacity.plan_request(request)))
 """
 
@@ -120,7 +123,7 @@ def test_the_planners_layout_is_vllms_once_the_dtype_is_registered(vllm_views, t
     request_file = tmp_path / "request.json"
     request_file.write_text(json.dumps(request))
     views = {"registered": vllm_views["patched"], "laid out": view_without(PATCH, tmp_path / "without").parent}
-    answers = json_in_views(PLAN, views, QWEN38_TEST_REQUEST=str(request_file))
+    answers = json_in_views(f"REQUEST = {str(request_file)!r}\n" + PLAN, views)
     registered, laid_out = answers["registered"], answers["laid out"]
     assert registered["kv_layout"] == "vLLM's" and "from its definition" in laid_out["kv_layout"]
     assert registered["fits"] and registered["pool_tokens"] == 293_456 and registered["block_size"] == 2176
