@@ -95,7 +95,10 @@ REFUSAL = re.compile(
 # Patch 0087's line (`single`'s copy keeps the tower in host memory, the RTX 3090 default).
 TOWER_IN_HOST = re.compile(r"qwen38: vision tower in host memory: (\d+) bytes of its blocks and merger")
 # `single`'s copy again with the tower on the device: the reference the host-memory tower answers as.
+# A profile file of its own: `qwen38 serve` refuses a second server of one profile on one
+# CACHE_DIR (the 2026-12-07 lease: "already being served from this CACHE_DIR").
 TOWER_ON_DEVICE = {"VISION_TOWER": "gpu"}
+TOWER_ON_DEVICE_PROFILE = "single-vision-tower-gpu-tiny"
 ENCODER_BUDGET = re.compile(r"Encoder cache will be initialized with a budget of (\d+) tokens")
 MODEL_LOADING = re.compile(r"Model loading took ([\d.]+) GiB memory")
 
@@ -148,15 +151,17 @@ def servers(tmp_path_factory, tiny_root, api_key_file):
     tmp = tmp_path_factory.mktemp("vision-gpu")
     models = vision_models(tmp / "models", tiny_root)
     profiles = {name: derive_vision(key, extra_engine=SHARE) for key, name in PROFILES.items()}
+    profiles[TOWER_ON_DEVICE_PROFILE] = derive_vision("single", extra_engine=SHARE)
     planned = write_profiles(tmp / "profiles", profiles)
     served = {}
     for key, name in PROFILES.items():
         settings, counted = vision_pool(planned, models, tmp, name)
         record(f"vision.{key}.planned", counted)
         served[key] = (name, {**VISION, **THINKING_OFF, **settings})
-    settings, counted = vision_pool(planned, models, tmp, PROFILES["single"], **TOWER_ON_DEVICE)
+    settings, counted = vision_pool(planned, models, tmp, TOWER_ON_DEVICE_PROFILE, **TOWER_ON_DEVICE)
     record("vision.single-tower-gpu.planned", counted)
-    served["single-tower-gpu"] = (PROFILES["single"], {**VISION, **THINKING_OFF, **TOWER_ON_DEVICE, **settings})
+    served["single-tower-gpu"] = (TOWER_ON_DEVICE_PROFILE,
+                                  {**VISION, **THINKING_OFF, **TOWER_ON_DEVICE, **settings})
     s = TinyServers(tmp_path_factory, models, api_key_file, profiles, served, label="vision.")
     with s.started("single", "spark-lora", "single-tower-gpu"):
         yield s
