@@ -10,7 +10,8 @@
 # (the parts of gpu-payload.sh staged as they are work too: `install` takes either form)
 # Then, one call per part (each carries .device-payload/part_NN; the first also the wheels, each
 # named in carry: pytest, pluggy, iniconfig, packaging, pygments, pytest_timeout and tomli_w, which
-# the GPU tests import; with the 8.4 MB checkout all of .whl, py_spy's 2.9 MB included, passes 64 MiB):
+# the GPU tests import; with the 8.4 MB checkout all of .whl, py_spy's 2.9 MB included, passes 64 MiB;
+# a call names at most 8 paths: move py_spy's wheel out of .whl and carry `.whl` as one):
 #   tests/gpu/lent_machine.sh stage          copy this call's parts and wheels to /tmp
 #   tests/gpu/lent_machine.sh tools          pytest & co. into /tmp/qwen38-tools (kernel tests)
 #   tests/gpu/lent_machine.sh install        join the parts, unpack vLLM into /tmp/qwen38-site
