@@ -42,7 +42,7 @@ from core.checkpoint import open_checkpoint
 from core.errors import BenchError, PatchError, StackError
 from core.manifest import MANIFEST_NAME
 from core.profiles import Profile, load_profile
-from core.settings import Settings
+from core.settings import TRUE_WORDS, Settings
 from entrypoint.keys import init_key_file
 from entrypoint.lifecycle import process_alive, process_session
 from entrypoint.patches import find_vllm_dir
@@ -953,7 +953,7 @@ def workload_argv(root: Path, profile: str, copy: Served | None, name: str, max_
 
 def vision_on(copy: Served | None) -> bool:
     """Whether the copy is served with VISION=true (`Served.settings`, as an owner sets it)."""
-    return copy is not None and dict(copy.settings).get("VISION", "").strip().lower() in ("true", "1", "yes", "on")
+    return copy is not None and dict(copy.settings).get("VISION", "").strip().lower() in TRUE_WORDS
 
 
 _SET_POOL = re.compile(r"set KV_CACHE_MEMORY_BYTES=(\d+)")
@@ -1215,11 +1215,8 @@ def summarize(results: dict[str, dict[str, Any]], served: dict[str, Served] | No
         if measure:
             for key in ("pool", "peak", "cap_held", "margin_bytes", "budget_bytes", "headless_3090", "footprint",
                         "decode", "prefill", "verify", "verify_prefill", "deep", "users", "steps", "others_alive",
-                        "measured_alone",
-                        "gpu_neighbours_while_measured", "gpu_neighbours_while_starting"):
-                if key in measure:
-                    row[key] = measure[key]
-            for key in ("image", "vision"):  # VISION=true (issue 58): an image's first token, the tower
+                        "measured_alone", "gpu_neighbours_while_measured", "gpu_neighbours_while_starting",
+                        "image", "vision"):  # the last two with VISION=true: an image's first token, the tower
                 if key in measure:
                     row[key] = measure[key]
             s = served[name]
