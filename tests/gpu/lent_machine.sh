@@ -112,7 +112,7 @@ case "${1:-}" in
     shift
     root=/tmp/qwen38-fullscale; mkdir -p "$root/logs" "$root/out"
     if [ -e "$root/run.pid" ] && kill -0 "$(cat "$root/run.pid")" 2>/dev/null; then
-      echo "a detached run is still going (pid $(cat "$root/run.pid")): fullscale-wait first" >&2; exit 1
+      echo "a detached run is still going (pid $(cat "$root/run.pid")): $0 fullscale-wait SECONDS first" >&2; exit 1
     fi
     setsid nohup env PYTHONPATH="$PWD:$SITE:$TOOLS" PYTHONUNBUFFERED=1 python3 -m entrypoint.cli bench fullscale run \
       --root "$root" --out "$root/out" "$@" < /dev/null >> "$root/logs/run-detached.log" 2>&1 &
