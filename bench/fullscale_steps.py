@@ -160,6 +160,11 @@ SERVED: dict[str, Served] = {
     # (and saves the pool: the plan names the smaller pool and context for this one).
     "single-vision-gpu-full": Served("single", HEADLESS_3090_BYTES,
                                      settings=(("VISION", "true"), ("VISION_TOWER", "gpu")), workloads=("image",)),
+    # `spark-lora` with images (issue 58: whether the Spark turns VISION on by default is this
+    # copy's call): the NVFP4 target's tower on the device, its 16 GiB pinned pool less what the
+    # plan counts, `c1` beside `spark-lora-full`'s, then the image against the text alone.
+    "spark-lora-vision-full": Served("spark-lora", SPARK_STANDIN_BYTES, settings=(("VISION", "true"),),
+                                     workloads=("c1", "image")),
     # Both on Marlin, as on the 3090: Hopper would serve W4A16 with Machete, which takes no int8
     # activations (the 2026-12-07 lease measured the switch doing nothing there).
     "batch-full": Served("batch", HEADLESS_3090_BYTES, env=MARLIN_AS_ON_THE_3090, workloads=("users",)),

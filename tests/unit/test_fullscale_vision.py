@@ -172,7 +172,14 @@ def test_the_vision_copy_is_single_as_served_with_vision_on_measuring_c1_and_an_
         "--requests", "4", "--width", "1920", "--height", "1080", "--output-tokens", "8"]
     for name in ("single-full", "single-mtp-full"):
         assert fs.workload_argv(None, name, fs.SERVED[name], "image", 65_536).startswith("served without VISION=true")
-    assert [n for n, s in fs.SERVED.items() if fs.vision_on(s)] == ["single-vision-full", "single-vision-gpu-full"]
+    assert [n for n, s in fs.SERVED.items() if fs.vision_on(s)] == [
+        "single-vision-full", "single-vision-gpu-full", "spark-lora-vision-full"]
+    # The Spark's: its tower on the device (the profile's machine keeps it there), beside spark-lora-full.
+    spark = fs.SERVED["spark-lora-vision-full"]
+    assert (spark.base, spark.budget) == ("spark-lora", fs.SPARK_STANDIN_BYTES)
+    assert dict(spark.settings) == {"VISION": "true"}
+    assert spark.workloads == ("c1", "image") and profiles["spark-lora-vision-full"] == profiles["spark-lora-full"]
+    assert fs.text_only_copy("spark-lora-vision-full", spark) == "spark-lora-full"
 
 
 def _profiles(root, served) -> None:
@@ -181,7 +188,9 @@ def _profiles(root, served) -> None:
     for name, data in fs.profile_set(4 * fs.HEADLESS_3090_BYTES, served).items():
         (root / "profiles" / f"{name}.toml").write_bytes(tomli_w.dumps(data).encode())
     for directory, key in (("prepared/qwen3.8-27b-w4a16-int8", "qwen3.8-27b-w4a16"),
-                           ("artifacts/qwen3.8-27b-dflash2-w4a16", "qwen3.8-27b-dflash2-w4a16")):
+                           ("artifacts/qwen3.8-27b-dflash2-w4a16", "qwen3.8-27b-dflash2-w4a16"),
+                           ("artifacts/qwen3.8-27b-nvfp4", "qwen3.8-27b-nvfp4"),
+                           ("artifacts/qwen3.8-27b-dflash2", "qwen3.8-27b-dflash2")):
         (root / "models" / directory).mkdir(parents=True)
         shutil.copy(MODEL_CONFIGS / key / "config.json", root / "models" / directory / "config.json")
 
@@ -220,6 +229,20 @@ def test_with_the_whole_tower_on_the_gpu_the_planner_names_a_smaller_pool_and_co
     _profiles(tmp_path, gpu)
     assert fs.vision_settings(tmp_path, "single-vision-gpu-full", gpu["single-vision-gpu-full"]) == {
         "KV_CACHE_MEMORY_BYTES": "4641025772", "MAX_MODEL_LEN": "53752"}
+
+
+def test_the_spark_copy_keeps_its_pool_and_context_with_the_tower_on_the_device(tmp_path):
+    """`spark-lora-vision-full`: the tower (all of it, on the device) and the 8,192-token encoder
+    cache come out of the 16 GiB pool, and what is left still holds the profile's 131,072 tokens
+    (docs/vision.md): the copy is served with the pool the plan names and its own context."""
+    spark = {"spark-lora-vision-full": fs.SERVED["spark-lora-vision-full"]}
+    _profiles(tmp_path, spark)
+    assert fs.vision_settings(tmp_path, "spark-lora-vision-full", spark["spark-lora-vision-full"]) == {
+        "KV_CACHE_MEMORY_BYTES": str((16 << 30) - TOWER_BYTES - 8192 * 5120 * 2)}  # 16,174,522,912
+    kept = fs.read_result(tmp_path, "spark-lora-vision-full.vision")
+    assert "set MAX_MODEL_LEN" not in kept["refusal"] and kept["profile_pool_bytes"] == 16 << 30
+    assert kept["vision"]["tower_bytes"] == TOWER_BYTES
+    assert kept["vision"].get("device_tower_bytes", TOWER_BYTES) == TOWER_BYTES  # the Spark's tower: on the device
 
 
 def test_a_plan_line_is_read_only_where_it_names_a_pool_its_own_parts_give(tmp_path, monkeypatch):
