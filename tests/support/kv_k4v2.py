@@ -131,3 +131,74 @@ def timed_prefill(k4v2, q: torch.Tensor, cache: torch.Tensor, args: dict, worksp
             call(out)
             timed[name] = (out, (time.perf_counter() - began) * 1000)
     return timed
+
+
+
+# Shared memory one block may take on the 3090 (compute capability 8.6, with the opt-in Triton
+# makes for it: 99 KB; CUDA C Programming Guide, "Technical Specifications per Compute
+# Capability"). A kernel tuned on the H100 (227 KB) can compile for sm_86 and still not launch.
+SM86_MAX_SHARED_BYTES = 99 * 1024
+
+
+def _launches(k4v2) -> dict[str, tuple[object, dict[str, str], dict[str, object], dict[str, int]]]:
+    """What the engine launches, by name: (kernel, pointer types, constexprs, options) as the
+    module's launchers pass them for Qwen3.8's heads (24 q / 4 kv, bf16 queries): the cache write,
+    the split kernel for decode (1 token), the K=7 verify (8), the 16-token lookup verify and the
+    prefill path's virtual requests (16 rows, `PREFILL_MAX_SPLITS`), and the merge. The row
+    arithmetic is `kvk4v2_attention`'s (tokens per program and BLOCK_M from the query length)."""
+    import triton
+    import triton.language as tl
+
+    config = k4v2.KVK4V2Config()
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    cache = {"cache_u8_ptr": "*u8", "cache_f16_ptr": "*fp16"}
+    partial_ptrs = {"q_ptr": "*bf16", **cache, "block_table_ptr": "*i32", "cu_seqlens_q_ptr": "*i32",
+                    "seqused_k_ptr": "*i32", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+                    "scale_log2": "fp32", "cache_offset": "i64"}
+    splits = {"TILE_N": config.tile_n, "MIN_SPLIT_TOKENS": config.min_split_tokens}
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    write_ptrs = {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64", **cache, "cache_offset": "i64"}
+    launches = {"write": (k4v2._kvk4v2_write_kernel, write_ptrs, {"ROWS": 16}, {"num_warps": 4})}
+    for name, query, max_splits in (("decode", 1, k4v2.DEFAULT_MAX_SPLITS), ("verify-k7", 8, k4v2.DEFAULT_MAX_SPLITS),
+                                    ("verify-16", k4v2.MAX_VERIFY_TOKENS, k4v2.DEFAULT_MAX_SPLITS),
+                                    ("prefill", k4v2.MAX_VERIFY_TOKENS, k4v2.PREFILL_MAX_SPLITS)):
+        tokens = max(1, min(query, config.block_m_cap // group))
+        block_m = max(16, triton.next_power_of_2(tokens * group))
+        constants = {"NUM_KV_HEADS": NUM_KV_HEADS, "GROUP": group, "BLOCK_M": block_m, "TOKENS_PER_PROGRAM": tokens,
+                     "MAX_SPLITS": max_splits, "K_OP": tl.bfloat16, "V_OP": tl.float16, **splits}
+        launches[f"partial-{name}"] = (k4v2._kvk4v2_partial_kernel, partial_ptrs, constants, options)
+    launches["merge"] = (k4v2._kvk4v2_merge_kernel,
+                         {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+                          "cu_seqlens_q_ptr": "*i32", "seqused_k_ptr": "*i32"},
+                         {**splits, "MAX_SPLITS": k4v2.DEFAULT_MAX_SPLITS, "INTERPRETED": False}, {"num_warps": 4})
+    return launches
+
+
+def compile_for(arch: int) -> dict[str, object]:
+    """Each launch of `_launches` compiled with real Triton for sm_<arch>, to a cubin (ptxas runs):
+    name -> the shared memory a block takes (bytes), or "skip: ..." where this Triton has no CUDA
+    toolchain. Needs Triton outside its interpreter: `python -m tests.support.kv_k4v2 ARCH` in a
+    process of its own (this session's tests may run the interpreter)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    results: dict[str, object] = {}
+    for name, (kernel, pointers, constants, options) in _launches(load_k4v2(interpret=False)).items():
+        signature = {arg: "constexpr" if arg in constants else pointers.get(arg, "i32") for arg in kernel.arg_names}
+        source = ASTSource(fn=kernel, signature=signature,
+                           constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
+        try:
+            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+        except RuntimeError as exc:  # no CUDA toolchain (ptxas) bundled with this Triton
+            results[name] = f"skip: {str(exc).splitlines()[0][:200]}"
+            continue
+        results[name] = compiled.metadata.shared if compiled.asm.get("cubin") else "no cubin"
+    return results
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps({"results": {arch: compile_for(int(arch)) for arch in sys.argv[1:]}}))

@@ -4,19 +4,26 @@ the page size against the planner's bytes function, and the split-KV attention k
 against float32 attention over the dequantized cache (kernel bugs) and over the
 unquantized bf16 K/V (quantization error) on Qwen3.8's heads (24 q / 4 kv, head_dim 256);
 the prefill path (query blocks longer than 16 cut into virtual requests for the same kernel)
-against the same reference and the torch prefill loop.
-Long contexts are marked slow (the interpreter runs each program in Python)."""
+against the same reference and the torch prefill loop; and every launch compiled by real
+Triton for the 3090 (sm_86). Long contexts are marked slow (the interpreter runs each program in Python)."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from tests.split_kv_support import REPO
 from tests.support.kv_k4v2 import (
     HEAD_DIM,
     NUM_KV_HEADS,
     NUM_Q_HEADS,
     SCALE,
+    SM86_MAX_SHARED_BYTES,
     attention_errors,
     dequantized_failures,
     load_k4v2,
@@ -215,3 +222,23 @@ def test_prefill_workspace_at_qwen38_shape_is_51_mb(k4v2):
     assert small.for_prefill(5).max_num_seqs == 5
     assert small.prefill.nbytes == sum(t.numel() * 4 for t in (small.prefill.partial_out, small.prefill.partial_max,
                                                               small.prefill.partial_sum))
+
+
+def test_every_launch_compiles_for_the_3090_within_its_shared_memory():
+    """The kernels as the engine launches them (decode, both verify blocks, the prefill path, the
+    write and the merge), compiled by real Triton for sm_86 - the 3090 that serves `huge` - to a
+    cubin, each block's shared memory within what an sm_86 block may take (the split kernel was
+    tuned on the H100, which allows 227 KB). Running them there is the GPU tier's, on a 3090."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-m", "tests.support.kv_k4v2", "86"], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])["results"]["86"]
+    if all(isinstance(r, str) and r.startswith("skip") for r in results.values()):
+        pytest.skip(f"this Triton cannot compile for CUDA here: {results}")
+    assert sorted(results) == ["merge", "partial-decode", "partial-prefill", "partial-verify-16", "partial-verify-k7",
+                               "write"]
+    too_big = {name: shared for name, shared in results.items()
+               if not isinstance(shared, int) or shared > SM86_MAX_SHARED_BYTES}
+    assert not too_big, too_big
