@@ -15,6 +15,8 @@ verify, plan, launch and the readiness gate. Checked on each server:
   the pool the CUDA engine logs;
 - a PNG data URL through the official OpenAI SDK (chat completions, Responses) and a base64 image
   block through the official Anthropic SDK are answered, the image's tokens in the prompt;
+- an image URL on the one host VISION_URL_DOMAINS lists (a web server of the test's) is fetched
+  and answered with its data URL's prompt (OpenAI `image_url`, Anthropic `url` source);
 - the bad images of the CPU suite (tests/support/vision_serving.py) are 400s with the reason, and
   the server answers the next image;
 - `qwen38 validate apis` and `validate clients` pass with their image rows;
@@ -59,6 +61,7 @@ from tests.support.vision_serving import (
     ADAPTER_MODEL,
     BAD_IMAGE_BLOCKS,
     BAD_IMAGES,
+    IMAGE_HOST,
     MAX_PIXELS,
     MODEL,
     anthropic_refused,
@@ -66,8 +69,10 @@ from tests.support.vision_serving import (
     chat,
     check_adapter_applied_to_images,
     check_image_cache_isolation,
+    check_url_fetched_like_data_url,
     image_block,
     image_cache_isolation,
+    image_host,
     image_part,
     message,
     png,
@@ -80,7 +85,8 @@ pytestmark = pytest.mark.gpu
 
 # key (the real profile) -> its tiny vision copy's profile file
 PROFILES = {"single": "single-vision-tiny", "spark-lora": "spark-lora-vision-tiny"}
-VISION = {"VISION": "true", "VISION_MAX_PIXELS": str(MAX_PIXELS)}
+# Image URLs from a web server of the test's (`image_host`) only.
+VISION = {"VISION": "true", "VISION_MAX_PIXELS": str(MAX_PIXELS), "VISION_URL_DOMAINS": IMAGE_HOST}
 # Answers in `content`, as the `cpu` profile gives them: the tiny model never closes a reasoning
 # block, so with the GPU profiles' default (thinking on) every answer would be all reasoning, and
 # `validate clients` wants content from a plain chat. Per request, thinking still switches on.
@@ -264,6 +270,18 @@ def test_a_bad_image_is_a_400_with_the_reason_and_the_server_keeps_serving(serve
 def test_a_bad_anthropic_image_block_is_a_400_in_anthropics_shape(server, anthropic_client, case):
     anthropic_refused(anthropic_client, *BAD_IMAGE_BLOCKS[case])
     assert message(anthropic_client, image_block(png((64, 64)))).usage.output_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def images():
+    with image_host() as host:
+        yield host
+
+
+@pytest.mark.parametrize("server", PROFILES, indirect=True)
+def test_an_image_url_on_the_listed_host_is_fetched_and_answered_like_its_data_url(server, openai_client,
+                                                                                    anthropic_client, images):
+    check_url_fetched_like_data_url(openai_client, anthropic_client, images)
 
 
 @pytest.mark.parametrize("server", PROFILES, indirect=True)

@@ -52,6 +52,7 @@ from tests.support.vision_serving import (
     chat,
     check_adapter_applied_to_images,
     check_image_cache_isolation,
+    check_url_fetched_like_data_url,
     image_block,
     image_cache_isolation,
     image_host,
@@ -311,14 +312,7 @@ def _fetch(server, url: str, path: str = "/v1/chat/completions", **extra) -> tup
 
 def test_an_image_url_on_the_listed_host_is_fetched_and_answered_like_its_data_url(openai_client, anthropic_client,
                                                                                     images):
-    inline = chat(openai_client, image_part(png((64, 64))))
-    fetched = chat(openai_client, image_url_part(_url(images, "/cat.png")))
-    assert fetched.usage.completion_tokens == 8
-    assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens  # 4 image tokens + start and end
-    block = {"type": "image", "source": {"type": "url", "url": _url(images, "/cat.png")}}
-    by_url, by_data = message(anthropic_client, block), message(anthropic_client, image_block(png((64, 64))))
-    assert by_url.usage.input_tokens == by_data.usage.input_tokens and by_url.usage.output_tokens > 0
-    assert images.requests.count("/cat.png") >= 2
+    check_url_fetched_like_data_url(openai_client, anthropic_client, images)
 
 
 def test_a_fetched_image_above_the_pixel_cap_is_shrunk_to_it_not_refused(openai_client, images):

@@ -296,3 +296,18 @@ def image_host() -> Iterator[ThreadingHTTPServer]:
 def image_url_part(url: str) -> dict:
     """An OpenAI chat content part naming the image at ``url``."""
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+def check_url_fetched_like_data_url(openai_client, anthropic_client, images) -> None:
+    """/cat.png from `image_host` (on VISION_URL_DOMAINS' IMAGE_HOST) through an OpenAI
+    `image_url` and an Anthropic `url` source: fetched, answered, and its prompt the data URL's
+    (the same image tokens)."""
+    url = f"http://{IMAGE_HOST}:{images.server_address[1]}/cat.png"
+    inline = chat(openai_client, image_part(png((64, 64))))
+    fetched = chat(openai_client, image_url_part(url))
+    assert fetched.usage.completion_tokens > 0 and fetched.choices[0].message.content, fetched
+    assert fetched.usage.prompt_tokens == inline.usage.prompt_tokens  # 4 image tokens + start and end
+    by_url = message(anthropic_client, {"type": "image", "source": {"type": "url", "url": url}})
+    by_data = message(anthropic_client, image_block(png((64, 64))))
+    assert by_url.usage.input_tokens == by_data.usage.input_tokens and by_url.usage.output_tokens > 0
+    assert images.requests.count("/cat.png") >= 2
