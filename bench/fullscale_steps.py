@@ -156,6 +156,8 @@ SERVED: dict[str, Served] = {
     # measures it goes detached: tests/gpu/lent_machine.sh fullscale-start), then the verify step
     # and the prefill at 25k and 128k of context through the k4v2 kernels.
     "huge-full": Served("huge", HEADLESS_3090_BYTES, workloads=("c1", "verify", "deep")),
+    # Its restart on the caches `huge-full` left (compiled graphs, the k4v2 kernels): the warm start.
+    "huge-warm-full": Served("huge", HEADLESS_3090_BYTES, measure=False),
     # The same with the whole tower on the GPU: what keeping it in host memory costs an image
     # (and saves the pool: the plan names the smaller pool and context for this one).
     "single-vision-gpu-full": Served("single", HEADLESS_3090_BYTES,
