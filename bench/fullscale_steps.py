@@ -140,6 +140,12 @@ SERVED: dict[str, Served] = {
     # same workloads as the `-v2` copy, for one lease.
     "single-mtp-steps-full": Served("single", HEADLESS_3090_BYTES, settings=(("SPECULATION", "mtp"),),
                                     workloads=("c1", "steps"), profiled=True),
+    # The same without prefix caching (the hybrid's GDN state then not in vLLM's "align" mode): how
+    # much of the V1 step's idle is align mode's wait for the previous step's accepted counts
+    # (docs/step-profile.md, "Why the V1 step waits on its input preparation"), at the plan's pool.
+    "single-mtp-noprefix-steps-full": Served("single", HEADLESS_3090_BYTES,
+                                             settings=(("SPECULATION", "mtp"), ("PREFIX_CACHING", "false")),
+                                             workloads=("c1", "steps"), profiled=True),
     "single-nospec-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False,
                                        workloads=("c1", "steps"), profiled=True),
     "single-nospec-v2-steps-full": Served("single", HEADLESS_3090_BYTES, speculation=False, env=V2_RUNNER,
