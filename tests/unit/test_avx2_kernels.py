@@ -100,11 +100,11 @@ def test_a_cpu_without_avx512_answers_as_the_switch_does(tmp_path: Path) -> None
         under = (emulator, "-cpu", AVX2_MODEL)
     else:
         pytest.skip(f"no qemu-x86_64 to emulate a CPU without AVX-512: {INSTALL}")
-    emulated = _probe(tmp_path, "vllm", under=under, timeout=900)
+    probed = _probe(tmp_path, "vllm", under=under, timeout=900)
     # "switch" says only whether the module was imported (where `make test-avx2` installed it
     # into .venv, it is, idle); everything else is what the CPU's kernels answer
-    emulated.pop("switch")
-    assert emulated == ON_AVX2, emulated
+    probed.pop("switch")
+    assert probed == ON_AVX2, probed
 
 
 def test_a_bad_value_or_a_python_without_the_switch_is_refused_with_the_command_that_mends_it(monkeypatch) -> None:
