@@ -4,9 +4,7 @@
 on stdin and prints ``{"results": [...]}``: for each case "ok" with the kernel's argument
 names, or "skip: <reason>" where this Triton carries no toolchain for the target.
 
-Real compilation runs here, apart from the test session: there, Triton's core language may
-already have been imported under its interpreter (the split-KV kernel tests need that, see
-tests/conftest.py), and a compiled kernel must not meet interpreted library functions.
+Real compilation runs here, apart from the test session (tests/support/triton_compile.py).
 """
 
 from __future__ import annotations
@@ -16,6 +14,8 @@ import os
 import sys
 import types
 from pathlib import Path
+
+from tests.support.triton_compile import compile_for_cuda
 
 SCALAR_FLOATS = ("scale", "threshold")
 FLAGS_ON = {"USE_INITIAL_STATE", "INPLACE_FINAL_STATE", "IS_VARLEN", "IS_CONTINUOUS_BATCHING", "IS_SPEC_DECODING"}
@@ -58,27 +58,15 @@ def signature_of(kernel, scalar_beta: bool) -> tuple[dict[str, str], dict[str, o
             signature[name] = "*i32"
         else:
             signature[name] = "*fp32"
-    for name in constants:
-        signature[name] = "constexpr"
     return signature, constants
 
 
 def compile_case(path: str, name: str, arch: int) -> dict[str, object]:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     kernel = jit_kernel(Path(path), name)
     signature, constants = signature_of(kernel, scalar_beta="sigmoid" in Path(path).name)
-    source = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()},
-    )
-    try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
-    except RuntimeError as exc:  # no CUDA toolchain (ptxas) bundled with this Triton
-        return {"status": f"skip: Triton cannot compile for sm_{arch} here: {exc}"}
+    compiled = compile_for_cuda(kernel, signature, constants, arch, {"num_warps": 1})
+    if isinstance(compiled, str):
+        return {"status": compiled}
     return {"status": "ok", "arg_names": list(kernel.arg_names), "ttir": bool(compiled.asm.get("ttir"))}
 
 

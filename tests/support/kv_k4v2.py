@@ -175,25 +175,16 @@ def _launches(k4v2) -> dict[str, tuple[object, dict[str, str], dict[str, object]
 
 
 def compile_for(arch: int) -> dict[str, object]:
-    """Each launch of `_launches` compiled with real Triton for sm_<arch>, to a cubin (ptxas runs):
-    name -> the shared memory a block takes (bytes), or "skip: ..." where this Triton has no CUDA
-    toolchain. Needs Triton outside its interpreter: `python -m tests.support.kv_k4v2 ARCH` in a
-    process of its own (this session's tests may run the interpreter)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """Each launch of `_launches` compiled for sm_<arch> (`compile_for_cuda`): name -> the shared
+    memory a block takes (bytes), or "skip: ..." where this Triton has no CUDA toolchain. Needs
+    Triton outside its interpreter: `python -m tests.support.kv_k4v2 ARCH...` in a process of its own."""
+    from tests.support.triton_compile import compile_for_cuda
 
     results: dict[str, object] = {}
     for name, (kernel, pointers, constants, options) in _launches(load_k4v2(interpret=False)).items():
-        signature = {arg: "constexpr" if arg in constants else pointers.get(arg, "i32") for arg in kernel.arg_names}
-        source = ASTSource(fn=kernel, signature=signature,
-                           constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})
-        try:
-            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
-        except RuntimeError as exc:  # no CUDA toolchain (ptxas) bundled with this Triton
-            results[name] = f"skip: {str(exc).splitlines()[0][:200]}"
-            continue
-        results[name] = compiled.metadata.shared if compiled.asm.get("cubin") else "no cubin"
+        signature = {arg: pointers.get(arg, "i32") for arg in kernel.arg_names if arg not in constants}
+        compiled = compile_for_cuda(kernel, signature, constants, arch, options)
+        results[name] = compiled if isinstance(compiled, str) else compiled.metadata.shared
     return results
 
 

@@ -4,7 +4,7 @@
 is the rule it implements, patch 0070's NumPy `fill_lookup_drafts` (which tokens, and which
 positions lookup decides); `python -m tests.support.lookup_kernel` compiles the kernel with
 real Triton for GPU targets in a process of its own (this session may run the interpreter,
-see tests/support/gdn_kernel_compile.py) and prints ``{"results": {arch: "ok" | "skip: ..."}}``.
+see tests/support/triton_compile.py) and prints ``{"results": {arch: "ok" | "skip: ..."}}``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.support.lookup_rule import load_lookup_rule
+from tests.support.triton_compile import compile_for_cuda
 
 REPO = Path(__file__).resolve().parents[2]
 LOOKUP_KERNEL_FILE = REPO / "patches" / "src" / "v1" / "worker" / "gpu" / "spec_decode" / "qwen38_lookup.py"
@@ -38,10 +39,6 @@ def expected_fill(history: np.ndarray, drafts: np.ndarray, num_drafter: int, win
 
 
 def compile_for(arch: int) -> str:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     module = load_lookup_module(interpret=False)
     kernel = module._lookup_fill_kernel
     pointers = {
@@ -54,16 +51,9 @@ def compile_for(arch: int) -> str:
         K=15, NUM_DRAFTER=7, TOP_K=16, MIN_MATCH=2, MAX_MATCH=8, WINDOW=32768, END_BITS=32,
         BLOCK=module.LOOKUP_SCAN_BLOCK, BLOCK_K=16, BLOCK_TOP_K=16, HAS_DRAFT_LOGITS=True,
     )
-    signature = {name: pointers.get(name) or ("constexpr" if name in constants else "i64") for name in kernel.arg_names}
-    source = ASTSource(
-        fn=kernel, signature=signature,
-        constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()},
-    )
-    try:
-        triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
-    except RuntimeError as exc:  # no CUDA toolchain (ptxas) bundled with this Triton
-        return f"skip: {str(exc).splitlines()[0][:200]}"
-    return "ok"
+    signature = {name: pointers.get(name, "i64") for name in kernel.arg_names if name not in constants}
+    compiled = compile_for_cuda(kernel, signature, constants, arch, {"num_warps": 4})
+    return compiled if isinstance(compiled, str) else "ok"
 
 
 if __name__ == "__main__":

@@ -9,15 +9,9 @@ Triton for the 3090 (sm_86). Long contexts are marked slow (the interpreter runs
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.split_kv_support import REPO
 from tests.support.kv_k4v2 import (
     HEAD_DIM,
     NUM_KV_HEADS,
@@ -28,6 +22,7 @@ from tests.support.kv_k4v2 import (
     dequantized_failures,
     load_k4v2,
 )
+from tests.support.triton_compile import run_compile_child
 
 
 @pytest.fixture(autouse=True)
@@ -229,12 +224,7 @@ def test_every_launch_compiles_for_the_3090_within_its_shared_memory():
     write and the merge), compiled by real Triton for sm_86 - the 3090 that serves `huge` - to a
     cubin, each block's shared memory within what an sm_86 block may take (the split kernel was
     tuned on the H100, which allows 227 KB). Running them there is the GPU tier's, on a 3090."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-m", "tests.support.kv_k4v2", "86"], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])["results"]["86"]
+    results = run_compile_child("tests.support.kv_k4v2", "86")["results"]["86"]
     if all(isinstance(r, str) and r.startswith("skip") for r in results.values()):
         pytest.skip(f"this Triton cannot compile for CUDA here: {results}")
     assert sorted(results) == ["merge", "partial-decode", "partial-prefill", "partial-verify-16", "partial-verify-k7",

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.support.vllm_views import REPO_ROOT
+from tests.support.triton_compile import run_compile_child
 
 KERNELS = {
     "fused_recurrent.py": "fused_recurrent_gated_delta_rule_fwd_kernel",
@@ -39,14 +36,7 @@ def compiled(vllm_views):  # noqa: F811 - the fixture imported above
         pytest.skip("Triton is not installed")
     cases = [(f, v, a) for f in sorted(KERNELS) for v in VIEWS for a in ARCHS]
     request = {"cases": [[_kernel_path(vllm_views, v, f), KERNELS[f], a] for f, v, a in cases]}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.support.gdn_kernel_compile"],
-        input=json.dumps(request), capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])["results"]
+    results = run_compile_child("tests.support.gdn_kernel_compile", stdin=json.dumps(request))["results"]
     return dict(zip(cases, results, strict=True))
 
 

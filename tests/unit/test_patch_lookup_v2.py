@@ -13,16 +13,12 @@ The engine run is tests/gpu/test_lookup_gpu.py.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
 from tests.support.lookup_kernel import LOOKUP_KERNEL_FILE, REPO, expected_fill, load_lookup_module
+from tests.support.triton_compile import run_compile_child
 from tests.support.vllm_views import last_json_line, real_shapes_as_cuda_prelude, run_python
 
 PATCH = REPO / "patches" / "0072-dflash2-lookup-drafting-v2-runner.patch"
@@ -166,14 +162,7 @@ def test_lookup_positions_become_point_masses_in_the_sparse_draft_logits_cache(k
 
 
 def test_kernel_compiles_for_the_3090_hopper_and_blackwell():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.support.lookup_kernel"], capture_output=True, text=True, env=env,
-        cwd=REPO, timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])["results"]
+    results = run_compile_child("tests.support.lookup_kernel")["results"]
     if all(r.startswith("skip") for r in results.values()):
         pytest.skip(f"this Triton cannot compile for CUDA here: {results}")
     assert results == {"86": "ok", "90": "ok", "120": "ok"}
