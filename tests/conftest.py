@@ -19,7 +19,8 @@ from unittest import mock
 
 import pytest
 
-from tests.support.session_cache import SHARED_CACHE_PARTS, remove_session_cache, session_cache
+from tests.support.plans import seed_plans  # noqa: F401 (the fixture: one planner run for the session)
+from tests.support.session_cache import MODELINFO_STORE, SHARED_CACHE_PARTS, remove_session_cache, session_cache
 from tests.support.vllm_views import vllm_views  # noqa: F401 (the fixture: one pair of views for the session)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,6 +114,10 @@ def pytest_configure(config) -> None:
     problem = problem_with_switch()
     if problem:
         raise pytest.UsageError(problem)
+    # vLLM's model information for the views' children, kept in pytest's cache by the content of
+    # each view (tests.support.session_cache.view_vllm_cache): what a run recorded, the next reads.
+    if getattr(config, "cache", None) is not None and not MODELINFO_STORE:
+        MODELINFO_STORE.append(config.cache.mkdir("qwen38-vllm-modelinfos"))
 
 
 def free_port() -> int:

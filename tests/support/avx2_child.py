@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from tests.support import avx2_kernels
-from tests.support.vllm_views import last_json_line
+from tests.support.vllm_views import REPO_ROOT, last_json_line
+from tests.support.warm_python import forking_is_safe, warm_python
 
 # The child's first line: the site directory (its argv[1]) is added the way Python adds
 # site-packages, its .pth line run, before anything imports torch.
@@ -38,5 +39,17 @@ def json_result(code: str, site: Path, env: dict[str, str], *args: str, under: t
                 timeout: int = 900) -> dict:
     """`run`'s last JSON line; a child that fails fails the caller with its stderr."""
     done = run(code, site, env, *args, under=under, timeout=timeout)
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stderr[-3000:]}"
+    return last_json_line(done)
+
+
+def warm_json_result(code: str, site: Path, env: dict[str, str], timeout: int = 900) -> dict:
+    """`json_result` of ``code`` (which reads no ``sys.argv``) in a fork of the warm Python that
+    added ``site`` first, as `run`'s child does, then imported torch and vLLM
+    (`tests.support.warm_python`): one import for every script of the same site and environment.
+    A new Python where forking is not safe."""
+    if not forking_is_safe():
+        return json_result(code, site, env, timeout=timeout)
+    done = warm_python(env, REPO_ROOT, site).run(code, timeout)
     assert done.returncode == 0, f"exit {done.returncode}:\n{done.stderr[-3000:]}"
     return last_json_line(done)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.session_cache import once_per_run
 from tests.support.vllm_views import child_pythonpath
 
 # The knobs that override a profile: None unless a test sets them, so nothing from the
@@ -65,21 +66,27 @@ def planner_pythonpath(monkeypatch):
 
 @pytest.fixture(scope="session")
 def seed_plans(tmp_path_factory):
-    """{(profile, prefix_caching): Plan} for the provisional profiles, both trees."""
-    from core.profiles import load_profile
-    from entrypoint.model_configs import read_model_configs
-    from entrypoint.resolve import resolve
-
+    """{(profile, prefix_caching): Plan} for the provisional profiles, both trees: one planner
+    run for the whole test run (tests/conftest.py holds the fixture, so every module shares it;
+    xdist's workers share its result, `tests.support.session_cache.once_per_run`)."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed in this environment")
-    models_dir = tmp_path_factory.mktemp("no-models")  # no served dirs: the config copies are used
-    items = []
-    for name, pc in SEED_CASES:
-        profile = load_profile(name)
-        resolved = resolve(profile, user_settings(name, models_dir=models_dir, prefix_caching=pc))
-        items.append((resolved, read_model_configs(profile, resolved, models_dir)))
-    plans = plan_in_children(items, compare=True)
-    return {case: plan for case, plan in zip(SEED_CASES, plans, strict=True)}
+
+    def plan_seed_cases() -> dict:
+        from core.profiles import load_profile
+        from entrypoint.model_configs import read_model_configs
+        from entrypoint.resolve import resolve
+
+        models_dir = tmp_path_factory.mktemp("no-models")  # no served dirs: the config copies are used
+        items = []
+        for name, pc in SEED_CASES:
+            profile = load_profile(name)
+            resolved = resolve(profile, user_settings(name, models_dir=models_dir, prefix_caching=pc))
+            items.append((resolved, read_model_configs(profile, resolved, models_dir)))
+        plans = plan_in_children(items, compare=True)
+        return {case: plan for case, plan in zip(SEED_CASES, plans, strict=True)}
+
+    return once_per_run(tmp_path_factory, "seed-plans", plan_seed_cases)
 
 
 def plan_in_children(items: list, *, compare: bool) -> list:

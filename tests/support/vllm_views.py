@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.session_cache import session_vllm_cache
+from tests.support.session_cache import session_vllm_cache, view_vllm_cache
 from tests.support.warm_python import forking_is_safe, warm_python
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -78,9 +78,13 @@ def _no_bytecode_writes(env: dict[str, str]) -> dict[str, str]:
 
 
 def child_env(view: Path | None, **extra: str) -> dict[str, str]:
+    """The environment of a child on ``view`` (``None``: the installed tree, whose vLLM cache is
+    the session's, the servers' one); a view's vLLM cache is that of its content
+    (`tests.support.session_cache.view_vllm_cache`)."""
     env = _no_bytecode_writes(dict(SESSION_ENV))
     env["PYTHONPATH"] = child_pythonpath(*([view] if view else []))
-    env["VLLM_CACHE_ROOT"] = str(session_vllm_cache())
+    own_tree = view is not None and (Path(view) / "vllm").is_dir()
+    env["VLLM_CACHE_ROOT"] = str(view_vllm_cache(Path(view)) if own_tree else session_vllm_cache())
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.update(extra)
     return env

@@ -75,7 +75,13 @@ def run_forked(job, protocol_fd):
             os._exit(code)
 
 
-for name in sys.argv[1:]:
+modules = sys.argv[1:]
+if modules and modules[0].startswith("--site="):
+    # A site directory of its own first (tests.support.avx2_child), its .pth lines run, as a
+    # child started with avx2_child.PRELUDE adds it before anything imports torch.
+    import site
+    site.addsitedir(modules.pop(0)[len("--site="):])
+for name in modules:
     importlib.import_module(name)
 protocol.write("ready\n")
 protocol.flush()
@@ -103,9 +109,10 @@ def forking_is_safe() -> bool:
 class WarmPython:
     """One warm Python for one environment (see the module's docstring)."""
 
-    def __init__(self, env: dict[str, str], cwd: Path):
+    def __init__(self, env: dict[str, str], cwd: Path, site: Path | None = None):
+        first = [f"--site={site}"] if site is not None else []
         self.process = subprocess.Popen(
-            [sys.executable, "-c", SERVER, *PRELOADED], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-c", SERVER, *first, *PRELOADED], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, env=env, cwd=cwd, bufsize=0,
         )
         self.lock = threading.Lock()
@@ -166,14 +173,15 @@ _WARM: dict[tuple, WarmPython] = {}
 _WARM_LOCK = threading.Lock()
 
 
-def warm_python(env: dict[str, str], cwd: Path) -> WarmPython:
-    """The warm Python for ``env`` and ``cwd``, started on first use, kept for the session
-    (pytest's PYTEST_CURRENT_TEST, different in every test, is left out)."""
+def warm_python(env: dict[str, str], cwd: Path, site: Path | None = None) -> WarmPython:
+    """The warm Python for ``env`` and ``cwd`` (and the site directory ``site`` added first, where
+    given), started on first use, kept for the session (pytest's PYTEST_CURRENT_TEST, different in
+    every test, is left out)."""
     env = {name: value for name, value in env.items() if name != "PYTEST_CURRENT_TEST"}
-    key = (str(cwd), tuple(sorted(env.items())))
+    key = (str(cwd), str(site), tuple(sorted(env.items())))
     with _WARM_LOCK:
         if key not in _WARM or _WARM[key].process.poll() is not None:
-            _WARM[key] = WarmPython(env, cwd)
+            _WARM[key] = WarmPython(env, cwd, site)
         return _WARM[key]
 
 

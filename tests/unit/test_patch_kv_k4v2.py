@@ -13,6 +13,8 @@ needs a GPU (not done yet)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ from tests.support.kv_k4v2 import (
     dequantized_failures,
 )
 from tests.support.plans import user_settings
-from tests.support.vllm_views import json_in_views, last_json_line, run_python, view_without, vllm_views  # noqa: F401
+from tests.support.vllm_views import child_env, json_in_views, last_json_line, view_without
 
 PATCH = "0047-k4v2-kv-cache-dtype.patch"
 VLLM_BLOCK = 256  # two 128-token pages per vLLM block, as `huge`'s 2,176-token block is 17
@@ -77,7 +79,7 @@ print(json.dumps(result))
 
 
 @pytest.fixture(scope="module")
-def config_in_views(vllm_views):  # noqa: F811
+def config_in_views(vllm_views):
     return json_in_views(CONFIG, vllm_views)
 
 
@@ -110,7 +112,7 @@ print(json.dumps(kv_capacity.plan_request(request)))
 
 
 @pytest.mark.slow
-def test_the_planners_layout_is_vllms_once_the_dtype_is_registered(vllm_views, tmp_path):  # noqa: F811
+def test_the_planners_layout_is_vllms_once_the_dtype_is_registered(vllm_views, tmp_path):
     """`huge` planned by the patched tree (vLLM's own page for the registered dtype) and by the
     same tree without patch 0047 (the planner lays the format out itself): the same plan."""
     from entrypoint.model_configs import read_model_configs
@@ -268,6 +270,11 @@ def test_the_series_delivers_it_where_installed():
     statuses = {s.name: s.state for s in check_series(find_vllm_dir())}
     if statuses.get(PATCH) != "present":
         pytest.skip("the installed vLLM is not patched")
-    done = run_python("import json; from vllm.v1.attention.ops import qwen38_kv_k4v2 as m; "
-                      "print(json.dumps({'name': m.KV_CACHE_DTYPE}))", None, timeout=300)
+    # A new Python importing the module alone (~8 s of one core), not a warm Python of the
+    # installed tree (torch, vLLM and its config first: ~14 s) that no other unit test uses.
+    done = subprocess.run(
+        [sys.executable, "-c", "import json; from vllm.v1.attention.ops import qwen38_kv_k4v2 as m; "
+         "print(json.dumps({'name': m.KV_CACHE_DTYPE}))"],
+        capture_output=True, text=True, env=child_env(None), cwd=REPO, timeout=300, check=False,
+    )
     assert last_json_line(done) == {"name": "k4v2_g128"}

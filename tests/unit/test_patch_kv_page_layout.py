@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.plans import seed_plans  # noqa: F401
-
 pytestmark = pytest.mark.slow
 
 

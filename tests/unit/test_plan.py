@@ -19,7 +19,7 @@ from entrypoint.plan import PLAN_IGNORED, Tree, build_request, check_plannable, 
 from entrypoint.resolve import resolve
 from entrypoint.resolved_engine import field_paths
 from tests.conftest import clean_env, run_cli
-from tests.support.plans import planner_pythonpath, seed_plans, user_settings  # noqa: F401
+from tests.support.plans import planner_pythonpath, user_settings  # noqa: F401
 from tests.support.vllm_views import child_pythonpath
 
 TREE = Tree(Path("/installed/vllm"), SERIES_DIR, "patched")

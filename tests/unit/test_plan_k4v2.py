@@ -17,16 +17,12 @@ from entrypoint.kv_capacity import k4v2_format
 from entrypoint.launch import check_kv_cache_build
 from entrypoint.resolve import resolve
 from tests.conftest import clean_env, run_cli
-from tests.support import plans
 from tests.support.plans import plan_in_children, user_settings
 
 # Qwen3.8-27B: 16 full-attention layers x 4 KV heads x head_dim 256.
 LAYERS, KV_HEADS = 16, 4
 PAGE = 4 * 26_624  # one 128-token page of one layer: 4 head regions
 HUGE_POOL = 5_261_334_938
-
-seed_plans = plans.seed_plans  # the session's one planner run (both trees, every seed case)
-
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

@@ -25,6 +25,7 @@ from core.manifest import MANIFEST_NAME, read_manifest, sha256_file, write_manif
 from prepare.checkpoint_writer import write_checkpoint
 from prepare.generate import generate_model
 from prepare.requantize import TRANSFORM_VERSION, requantize_checkpoint
+from tests.conftest import run_cli_here
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,16 +65,12 @@ def tensors_of(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "entrypoint.cli", "prepare", "requantize", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        **kwargs,
-    )
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """`qwen38 prepare requantize ARGS` through the command line's own entry point, in this
+    process (`tests.conftest.run_cli_here`): a new Python spent ~3.5 s importing the command
+    before its second of work. The command as a process of its own is what `kill_while_writing`
+    starts (and kills)."""
+    return run_cli_here("prepare", "requantize", *args, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 @pytest.mark.parametrize("kind", ["bf16", "w4a16"])
