@@ -24,6 +24,7 @@ LAYERS, KV_HEADS = 16, 4
 PAGE = 4 * 26_624  # one 128-token page of one layer: 4 head regions
 HUGE_POOL = 5_261_334_938
 
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
