@@ -133,7 +133,6 @@ def timed_prefill(k4v2, q: torch.Tensor, cache: torch.Tensor, args: dict, worksp
     return timed
 
 
-
 # Shared memory one block may take on the 3090 (compute capability 8.6, with the opt-in Triton
 # makes for it: 99 KB; CUDA C Programming Guide, "Technical Specifications per Compute
 # Capability"). A kernel tuned on the H100 (227 KB) can compile for sm_86 and still not launch.
